@@ -13,7 +13,7 @@ def ids(blocks: list[KVCacheBlock]) -> list[int]:
 
 
 def test_initial_order_and_count() -> None:
-    blocks, q = make(5)
+    _blocks, q = make(5)
     assert q.num_free_blocks == 5
     assert ids(q.get_all_free_blocks()) == [0, 1, 2, 3, 4]
 
@@ -37,7 +37,7 @@ def test_popleft_empty_raises_value_error() -> None:
 
 
 def test_popleft_n() -> None:
-    blocks, q = make(6)
+    _blocks, q = make(6)
     got = q.popleft_n(4)
     assert ids(got) == [0, 1, 2, 3]
     assert all(b.prev_free_block is None and b.next_free_block is None for b in got)
@@ -122,7 +122,7 @@ def test_iter_blocks_after_sentinel_raises() -> None:
 
 
 def test_iter_allows_removing_the_yielded_block() -> None:
-    blocks, q = make(5)
+    _blocks, q = make(5)
     seen = []
     for b in q.iter_blocks_after(None):
         seen.append(b.block_id)
