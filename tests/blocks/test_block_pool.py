@@ -208,3 +208,15 @@ def test_usage() -> None:
     assert pool.get_usage() == 0.0
     pool.get_new_blocks(2)
     assert pool.get_usage() == pytest.approx(0.5)
+
+
+def test_alloc_epoch_counts_every_exit_from_the_free_queue() -> None:
+    pool = BlockPool(4)
+    (blk,) = pool.get_new_blocks(1)
+    assert blk.alloc_epoch == 1
+    pool.free_blocks([blk])
+    pool.touch([blk])
+    assert blk.alloc_epoch == 2
+    pool.touch([blk])  # already in use: not an exit from the queue
+    assert blk.alloc_epoch == 2
+    assert pool.num_allocated_total == 1

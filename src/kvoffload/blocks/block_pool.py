@@ -49,6 +49,9 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.kv_event_queue: list[KVEvent] = []
+        # Blocks handed out from the queue's front since start: lets a lazy
+        # offloader know how far the front advanced without walking it.
+        self.num_allocated_total = 0
 
     # -- prefix cache -------------------------------------------------------
 
@@ -154,6 +157,8 @@ class BlockPool:
                 evicted.append(block.block_hash)  # type: ignore[arg-type]
                 self._evict_cached_hash(block)
             block.ref_cnt += 1
+            block.alloc_epoch += 1
+        self.num_allocated_total += num_blocks
         if evicted and self.enable_kv_cache_events:
             self.kv_event_queue.append(BlockRemoved(block_hashes=evicted, medium=MEDIUM_GPU))
         return blocks
@@ -164,6 +169,7 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0 and not block.is_null:
                 queue.remove(block)
+                block.alloc_epoch += 1
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:

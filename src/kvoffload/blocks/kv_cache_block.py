@@ -11,9 +11,15 @@ class KVCacheBlock:
     ``prev_free_block`` / ``next_free_block`` are the links of the intrusive
     free queue: they are non-None exactly while the block is in the queue, and
     only ``FreeKVCacheBlockQueue`` reads or writes them.
+
+    ``alloc_epoch`` counts how often the block left the free queue (allocated
+    or hit). A walker that saved the block as a cursor compares it to tell
+    "still where I left it" from "taken and freed again at the tail", which
+    membership alone cannot.
     """
 
     __slots__ = (
+        "alloc_epoch",
         "block_hash",
         "block_id",
         "is_null",
@@ -29,6 +35,7 @@ class KVCacheBlock:
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
         self.is_null = False
+        self.alloc_epoch = 0
 
     def reset_hash(self) -> None:
         self.block_hash = None
