@@ -1,0 +1,309 @@
+"""The per-step offloading decisions, on the scheduler side (no tensors).
+
+``OffloadingConnectorScheduler`` sits between an engine's scheduler, its GPU
+``BlockPool`` and an ``OffloadingManager``:
+
+- on a new request it says how many tokens past the GPU prefix hit can be
+  loaded from the offload tier (``get_num_new_matched_tokens``);
+- once the engine allocated GPU blocks it turns that into a load job (GPU
+  block ids <- tier block ids) and pins the tier blocks;
+- as blocks fill and their KV is computed it makes store jobs (eager mode);
+- it settles jobs from the worker's results (``update_connector_output``).
+
+Ownership rule that makes abort and preemption safe: every in-flight job
+holds its own ref on the GPU blocks it reads or writes, taken with
+``BlockPool.touch`` and dropped when the job settles. The engine can free a
+request's blocks at any time; a block being copied cannot be reallocated
+under the copy. When no job is in flight the connector holds no GPU ref and
+no pinned tier block.
+
+Offloaded blocks may be ``block_size_factor`` GPU blocks each; the key of an
+offloaded block is the hash of its last GPU block (which, chained, covers all
+of them).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvoffload.blocks import BlockPool, KVCacheBlock
+from kvoffload.connector.events import offloading_events_to_kv_events
+from kvoffload.connector.metadata import ConnectorMetadata, TransferJob
+from kvoffload.events import KVEvent
+from kvoffload.hashing import BlockHash
+from kvoffload.offload.base import (
+    BlockIDsLoadStoreSpec,
+    GPULoadStoreSpec,
+    OffloadingManager,
+    OffloadKey,
+    make_offload_key,
+)
+
+STORE_MODES = ("eager", "lazy", "none")
+
+
+@dataclass
+class _Job:
+    req_id: str
+    keys: list[OffloadKey]
+    gpu_blocks: list[KVCacheBlock]
+    is_store: bool
+
+
+@dataclass
+class _PendingLoad:
+    start_gpu_block: int
+    keys: list[OffloadKey]
+
+
+@dataclass
+class ConnectorStats:
+    loads_ok: int = 0
+    loads_failed: int = 0
+    stores_ok: int = 0
+    stores_failed: int = 0
+    stores_skipped_no_room: int = 0
+    blocks_loaded: int = 0
+    blocks_stored: int = 0
+
+
+class OffloadingConnectorScheduler:
+    def __init__(
+        self,
+        block_pool: BlockPool,
+        manager: OffloadingManager,
+        block_size: int,
+        block_size_factor: int = 1,
+        group_idx: int = 0,
+        store_mode: str = "eager",
+    ) -> None:
+        if block_size <= 0 or block_size_factor <= 0:
+            raise ValueError(
+                f"block_size and block_size_factor must be positive, got "
+                f"{block_size} and {block_size_factor}"
+            )
+        if store_mode not in STORE_MODES:
+            raise ValueError(f"unknown store_mode {store_mode!r}; known: {', '.join(STORE_MODES)}")
+        self.pool = block_pool
+        self.manager = manager
+        self.block_size = block_size
+        self.factor = block_size_factor
+        self.group_idx = group_idx
+        self.store_mode = store_mode
+        self.stats = ConnectorStats()
+        self._job_ids = itertools.count(1)
+        self._jobs: dict[int, _Job] = {}
+        self._pending_loads: dict[str, _PendingLoad] = {}
+        self._load_job_of: dict[str, int] = {}
+        self._next_store_block: dict[str, int] = {}  # eager: next offloaded-block index
+        self._in_flight_keys: set[OffloadKey] = set()
+        self._meta = ConnectorMetadata()
+
+    # -- keys -----------------------------------------------------------------
+
+    def _key(self, block_hashes: Sequence[BlockHash], offloaded_idx: int) -> OffloadKey:
+        return make_offload_key(block_hashes[(offloaded_idx + 1) * self.factor - 1], self.group_idx)
+
+    # -- loads ----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self,
+        req_id: str,
+        block_hashes: Sequence[BlockHash],
+        num_computed_tokens: int,
+        num_prompt_tokens: int,
+    ) -> int:
+        """Tokens after ``num_computed_tokens`` (the GPU hit) that the tier can supply.
+
+        The last prompt token is never loaded: the engine must compute it to get
+        the logits of the first output token. A GPU hit that ends inside an
+        offloaded block gets no tier hit (a load must start at an offloaded
+        block's boundary, and a gap cannot be skipped).
+        """
+        self._pending_loads.pop(req_id, None)
+        bs, f = self.block_size, self.factor
+        if num_computed_tokens % bs:
+            return 0
+        start_gpu = num_computed_tokens // bs
+        if start_gpu % f:
+            return 0
+        max_gpu_blocks = min((num_prompt_tokens - 1) // bs, len(block_hashes))
+        start, end = start_gpu // f, max_gpu_blocks // f
+        if end <= start:
+            return 0
+        keys = [self._key(block_hashes, j) for j in range(start, end)]
+        hit = self.manager.lookup(keys)
+        if hit == 0:
+            return 0
+        self._pending_loads[req_id] = _PendingLoad(start_gpu, keys[:hit])
+        return hit * f * bs
+
+    def update_state_after_alloc(
+        self, req_id: str, request_blocks: Sequence[KVCacheBlock], num_external_tokens: int
+    ) -> None:
+        """The engine allocated ``request_blocks`` (head first); queue the load, if any."""
+        pending = self._pending_loads.pop(req_id, None)
+        if pending is None or num_external_tokens <= 0:
+            return
+        n_offloaded = num_external_tokens // (self.block_size * self.factor)
+        keys = pending.keys[:n_offloaded]
+        gpu_blocks = list(
+            request_blocks[
+                pending.start_gpu_block : pending.start_gpu_block + n_offloaded * self.factor
+            ]
+        )
+        if len(gpu_blocks) != n_offloaded * self.factor:
+            raise ValueError(
+                f"request {req_id}: {num_external_tokens} external tokens need "
+                f"{n_offloaded * self.factor} GPU blocks after block {pending.start_gpu_block}, "
+                f"got {len(gpu_blocks)}"
+            )
+        src = self.manager.prepare_load(keys)  # pins until complete_load
+        self.pool.touch(gpu_blocks)
+        job_id = next(self._job_ids)
+        self._jobs[job_id] = _Job(req_id, keys, gpu_blocks, is_store=False)
+        self._load_job_of[req_id] = job_id
+        dst = GPULoadStoreSpec(np.fromiter((b.block_id for b in gpu_blocks), np.int64))
+        self._meta.loads.append(TransferJob(job_id, req_id, src, dst, is_store=False))
+
+    def is_loading(self, req_id: str) -> bool:
+        return req_id in self._load_job_of
+
+    # -- stores ---------------------------------------------------------------
+
+    def on_blocks_computed(
+        self,
+        req_id: str,
+        request_blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        num_computed_tokens: int,
+    ) -> None:
+        """The request's KV is computed up to ``num_computed_tokens``: eager stores."""
+        if self.store_mode != "eager":
+            return
+        f = self.factor
+        full = min(num_computed_tokens // self.block_size, len(block_hashes)) // f
+        start = self._next_store_block.get(req_id, 0)
+        if full <= start:
+            return
+        self._next_store_block[req_id] = full
+        groups = {self._key(block_hashes, j): j for j in range(start, full)}
+        self.store_blocks(
+            req_id, [(key, request_blocks[j * f : (j + 1) * f]) for key, j in groups.items()]
+        )
+
+    def skip_stores_before(self, req_id: str, num_tokens: int) -> None:
+        """Blocks below ``num_tokens`` came from a hit: no need to store them again."""
+        idx = num_tokens // (self.block_size * self.factor)
+        if self._next_store_block.get(req_id, 0) < idx:
+            self._next_store_block[req_id] = idx
+
+    def store_blocks(
+        self, req_id: str, candidates: Sequence[tuple[OffloadKey, Sequence[KVCacheBlock]]]
+    ) -> int:
+        """Queue one store job for those of ``candidates`` the tier lacks.
+
+        Returns how many offloaded blocks are being stored. Keys already stored
+        are touched (recency); keys whose store is in flight are skipped.
+        """
+        cands = [(k, b) for k, b in candidates if k not in self._in_flight_keys]
+        if not cands:
+            return 0
+        keys = [k for k, _ in cands]
+        out = self.manager.prepare_store(keys)
+        if out is None:
+            self.stats.stores_skipped_no_room += len(keys)
+            return 0
+        to_store = set(out.keys_to_store)
+        stored_already = [k for k in keys if k not in to_store]
+        if stored_already:
+            self.manager.touch(stored_already)
+        if not out.keys_to_store:
+            return 0
+        by_key = dict(cands)
+        gpu_blocks = [b for k in out.keys_to_store for b in by_key[k]]
+        self.pool.touch(gpu_blocks)
+        job_id = next(self._job_ids)
+        self._jobs[job_id] = _Job(req_id, list(out.keys_to_store), gpu_blocks, is_store=True)
+        self._in_flight_keys.update(out.keys_to_store)
+        src = GPULoadStoreSpec(np.fromiter((b.block_id for b in gpu_blocks), np.int64))
+        self._meta.stores.append(TransferJob(job_id, req_id, src, out.store_spec, is_store=True))
+        return len(out.keys_to_store)
+
+    # -- GPU hits -------------------------------------------------------------
+
+    def touch_gpu_hit(self, block_hashes: Sequence[BlockHash], num_blocks: int) -> None:
+        """A GPU prefix hit also counts as a use of the same blocks in the tier."""
+        n = num_blocks // self.factor
+        if n:
+            self.manager.touch([self._key(block_hashes, j) for j in range(n)])
+
+    # -- per step -------------------------------------------------------------
+
+    def build_connector_meta(self) -> ConnectorMetadata:
+        meta, self._meta = self._meta, ConnectorMetadata()
+        return meta
+
+    def update_connector_output(self, results: Iterable[object]) -> tuple[set[str], set[str]]:
+        """Settle finished jobs; returns (requests whose load succeeded, whose load failed).
+
+        ``results`` are ``TransferResult``-like: ``job_id`` and ``success``.
+        Unknown job ids are an error: a result must never settle the wrong job.
+        """
+        loaded: set[str] = set()
+        failed: set[str] = set()
+        for res in results:
+            job_id: int = res.job_id  # type: ignore[attr-defined]
+            ok: bool = bool(res.success)  # type: ignore[attr-defined]
+            job = self._jobs.pop(job_id, None)
+            if job is None:
+                raise ValueError(f"transfer result for unknown job {job_id}")
+            if job.is_store:
+                self.manager.complete_store(job.keys, success=ok)
+                self._in_flight_keys.difference_update(job.keys)
+                if ok:
+                    self.stats.stores_ok += 1
+                    self.stats.blocks_stored += len(job.keys)
+                else:
+                    self.stats.stores_failed += 1
+            else:
+                self.manager.complete_load(job.keys)
+                if self._load_job_of.get(job.req_id) == job_id:
+                    del self._load_job_of[job.req_id]
+                    (loaded if ok else failed).add(job.req_id)
+                if ok:
+                    self.stats.loads_ok += 1
+                    self.stats.blocks_loaded += len(job.keys)
+                else:
+                    self.stats.loads_failed += 1
+            # Tail first, so the freed copy keeps chain order in the free queue.
+            self.pool.free_blocks(reversed(job.gpu_blocks))
+        return loaded, failed
+
+    def request_finished(self, req_id: str) -> None:
+        """Forget the request. Its in-flight jobs finish on their own refs."""
+        self._pending_loads.pop(req_id, None)
+        self._next_store_block.pop(req_id, None)
+        # A load still in flight for a gone request settles without waking anyone.
+        self._load_job_of.pop(req_id, None)
+
+    def request_preempted(self, req_id: str) -> None:
+        """Preempted requests restart from their prefix hit; same as finished here."""
+        self.request_finished(req_id)
+
+    def num_in_flight_jobs(self) -> int:
+        return len(self._jobs)
+
+    def in_flight_job_ids(self) -> list[int]:
+        return list(self._jobs)
+
+    def take_events(self) -> list[KVEvent]:
+        return offloading_events_to_kv_events(self.manager.take_events())
+
+
+def block_ids_of(spec: BlockIDsLoadStoreSpec) -> list[int]:
+    return [int(x) for x in spec.block_ids]
