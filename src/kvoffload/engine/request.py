@@ -48,6 +48,7 @@ class Request:
     hash_fn: HashFunction
     lora_name: str | None = None
     cache_salt: str | None = None
+    parent_hash: bytes | None = None  # chain seed; None = the module NONE_HASH
     arrival_time: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
@@ -59,7 +60,9 @@ class Request:
         self.num_computed_tokens = 0
         self.blocks: list[KVCacheBlock] = []
         self.num_cached_blocks = 0  # blocks registered in the GPU prefix cache
-        self.hasher = BlockHasher(self.block_size, self.hash_fn, self.lora_name, self.cache_salt)
+        self.hasher = BlockHasher(
+            self.block_size, self.hash_fn, self.lora_name, self.cache_salt, self.parent_hash
+        )
         self.hasher.update(self.all_token_ids)
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

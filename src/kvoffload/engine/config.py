@@ -1,0 +1,82 @@
+"""Engine configuration, validated up front so bad values fail before any work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STORE_MODES = ("off", "eager", "lazy")
+KV_LAYOUTS = ("layer_first", "kv_split", "cross_layer")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the reference engine needs; defaults are the embedded demo.
+
+    ``num_gpu_blocks`` is deliberately small by default: the point of the demo
+    is a GPU tier that cannot hold the working set.
+    """
+
+    model_path: str | None = None  # local dir of safetensors + config.json; None = random model
+    seed: int = 0
+    dtype: str = "float32"
+    block_size: int = 16
+    num_gpu_blocks: int = 96
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    kv_layout: str = "layer_first"
+    hash_fn: str = "xxhash64"
+    hash_seed: str = "0"
+    # Offload tier
+    store_mode: str = "eager"  # off | eager | lazy
+    cpu_bytes: int | None = None  # CPU tier byte budget; None = num_cpu_blocks
+    num_cpu_blocks: int = 1024
+    cache_policy: str | None = None  # None = the manager's default
+    lazy_window_blocks: int | None = None  # None = one step's worth of blocks
+    disk_dir: str | None = None
+    disk_bytes: int | None = None
+    num_disk_blocks: int = 8192
+    redis_url: str | None = None
+    write_through: bool = False
+    # KV events
+    events_endpoint: str | None = None
+    events_replay_endpoint: str | None = None
+    events_topic: str = "kv-events"
+    # Worker
+    transfer_threads: int = 2
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be a positive int, got {value!r}")
+
+        for name in (
+            "block_size",
+            "num_gpu_blocks",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "num_cpu_blocks",
+            "num_disk_blocks",
+            "transfer_threads",
+        ):
+            positive(name)
+        if self.num_gpu_blocks < 2:
+            raise ValueError("EngineConfig.num_gpu_blocks must be >= 2 (block 0 is the null block)")
+        if self.store_mode not in STORE_MODES:
+            raise ValueError(
+                f"EngineConfig.store_mode must be one of {', '.join(STORE_MODES)}, "
+                f"got {self.store_mode!r}"
+            )
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(
+                f"EngineConfig.kv_layout must be one of {', '.join(KV_LAYOUTS)}, "
+                f"got {self.kv_layout!r}"
+            )
+        if self.dtype not in ("float32", "float16", "bfloat16", "float64"):
+            raise ValueError(f"EngineConfig.dtype {self.dtype!r} is not supported")
+        if self.lazy_window_blocks is not None:
+            positive("lazy_window_blocks")
+
+    @property
+    def offload_enabled(self) -> bool:
+        return self.store_mode != "off"

@@ -1,0 +1,276 @@
+"""The reference engine: scheduler + model runner + offloading, one step at a time.
+
+One ``step()``:
+1. settle finished transfers (loads wake their requests, stores release refs);
+2. schedule the batch (continuous batching, chunked prefill, preemption);
+3. hand the connector's new load jobs to the worker;
+4. run the model on the batch and sample;
+5. register newly computed blocks in the GPU prefix cache, queue stores
+   (eager) or walk the free queue (lazy), submit them, publish KV events.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvoffload.blocks import BlockPool
+from kvoffload.connector import OffloadingConnectorScheduler, SimpleCPUOffloadScheduler
+from kvoffload.engine.config import EngineConfig
+from kvoffload.engine.kv_cache_manager import KVCacheManager
+from kvoffload.engine.model_runner import ModelRunner
+from kvoffload.engine.offload_setup import OffloadSetup, build_offload
+from kvoffload.engine.request import Request, RequestStatus, SamplingParams
+from kvoffload.engine.scheduler import Scheduler
+from kvoffload.events import KVEvent
+from kvoffload.hashing import get_hash_fn_by_name, make_none_hash
+
+
+@dataclass
+class RequestOutput:
+    req_id: str
+    prompt_len: int
+    output_token_ids: list[int]
+    ttft_s: float
+    latency_s: float
+    num_gpu_hit_tokens: int
+    num_tier_hit_tokens: int
+    num_prefill_tokens_computed: int
+    num_preemptions: int
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    prefill_tokens_computed: int = 0
+    decode_tokens: int = 0
+    gpu_hit_tokens: int = 0
+    tier_hit_tokens: int = 0
+    preemptions: int = 0
+    finished: list[RequestOutput] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.hash_fn = get_hash_fn_by_name(config.hash_fn)
+        # The chain seed is per engine, not global, so two engines in one process
+        # (tests) and two processes sharing a Redis tier agree when seeded alike.
+        self.none_hash = make_none_hash(self.hash_fn, config.hash_seed)
+        self.runner = ModelRunner(config)
+        self.pool = BlockPool(
+            config.num_gpu_blocks,
+            enable_caching=True,
+            enable_kv_cache_events=config.events_endpoint is not None,
+        )
+        self.kv = KVCacheManager(self.pool, config.block_size)
+        self.offload: OffloadSetup | None = None
+        self.connector: OffloadingConnectorScheduler | None = None
+        if config.offload_enabled:
+            self.offload = build_offload(config, self.pool, self.runner)
+            self.connector = self.offload.connector
+        self.scheduler = Scheduler(
+            self.kv, self.connector, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.publisher = self._make_publisher()
+        self.stats = EngineStats()
+        self._requests: dict[str, Request] = {}
+        self._outputs: list[RequestOutput] = []
+        self._next_id = 0
+
+    def _make_publisher(self):
+        if self.config.events_endpoint is None:
+            return None
+        from kvoffload.events.publisher import ZmqEventPublisher
+
+        return ZmqEventPublisher(
+            endpoint=self.config.events_endpoint,
+            replay_endpoint=self.config.events_replay_endpoint,
+            topic=self.config.events_topic,
+        )
+
+    # -- requests -------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        req_id: str | None = None,
+    ) -> str:
+        vocab = self.runner.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        if req_id is None:
+            req_id = f"req-{self._next_id}"
+            self._next_id += 1
+        if req_id in self._requests:
+            raise ValueError(f"duplicate request id {req_id!r}")
+        sampling = sampling or SamplingParams()
+        total = len(prompt_token_ids) + sampling.max_tokens
+        max_tokens_in_pool = (self.config.num_gpu_blocks - 1) * self.config.block_size
+        if total > max_tokens_in_pool:
+            raise ValueError(
+                f"request {req_id} needs up to {total} tokens of KV but the GPU tier holds "
+                f"{max_tokens_in_pool}"
+            )
+        if total > self.runner.max_position:
+            raise ValueError(f"request {req_id}: {total} tokens exceed the model's max position")
+        req = Request(
+            req_id,
+            [int(t) for t in prompt_token_ids],
+            sampling,
+            self.config.block_size,
+            self.hash_fn,
+            parent_hash=self.none_hash,
+        )
+        self._requests[req_id] = req
+        self.scheduler.add_request(req)
+        self.stats.prompt_tokens += len(prompt_token_ids)
+        return req_id
+
+    def abort_request(self, req_id: str) -> None:
+        req = self._requests.pop(req_id, None)
+        if req is not None and not req.is_finished:
+            self.scheduler.finish_request(req, RequestStatus.ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step -------------------------------------------------------------
+
+    def _settle_transfers(self, block: bool) -> None:
+        if self.offload is None or self.connector is None:
+            return
+        worker = self.offload.worker
+        if block and self.connector.num_in_flight_jobs():
+            worker.wait(self.connector.in_flight_job_ids())
+        results = worker.get_finished()
+        if results:
+            loaded, failed = self.connector.update_connector_output(results)
+            self.scheduler.finish_loads(loaded, failed)
+
+    def _submit_jobs(self) -> None:
+        if self.offload is None or self.connector is None:
+            return
+        meta = self.connector.build_connector_meta()
+        for job in meta.loads:
+            self.offload.submit(job)
+        for job in meta.stores:
+            self.offload.submit(job)
+
+    def step(self) -> list[RequestOutput]:
+        self._settle_transfers(block=False)
+        out = self.scheduler.schedule()
+        self._submit_jobs()  # loads for requests admitted just now
+        if not out.scheduled:
+            if self.scheduler.loading or (self.connector and self.connector.num_in_flight_jobs()):
+                self._settle_transfers(block=True)
+            self._publish_events()
+            return self._take_outputs()
+        self.stats.steps += 1
+        reqs = [r for r, _ in out.scheduled]
+        counts = [n for _, n in out.scheduled]
+        sampled = self.runner.execute(reqs, counts)
+        now = time.perf_counter()
+        for req, n in out.scheduled:
+            # Every token computed that is not the newest one is prefill work,
+            # including recompute after preemption.
+            req.num_prefill_tokens_computed += n if n > 1 or not req.output_token_ids else 0
+            req.num_computed_tokens += n
+            self.kv.cache_blocks(req, req.num_computed_tokens)
+            if self.connector is not None:
+                self.connector.on_blocks_computed(
+                    req.req_id, req.blocks, req.block_hashes, req.num_computed_tokens
+                )
+            if req.req_id not in sampled:
+                continue  # a prefill chunk that did not reach the end
+            req.append_output(sampled[req.req_id])
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.should_stop():
+                req.finish_time = now
+                self.scheduler.finish_request(req, RequestStatus.FINISHED)
+                self._record(req)
+        if isinstance(self.connector, SimpleCPUOffloadScheduler):
+            self.connector.schedule_lazy_stores(self._lazy_window())
+        self._submit_jobs()
+        self._publish_events()
+        return self._take_outputs()
+
+    def _lazy_window(self) -> int:
+        if self.config.lazy_window_blocks is not None:
+            return self.config.lazy_window_blocks
+        bs = self.config.block_size
+        return -(-self.config.max_num_batched_tokens // bs) + self.config.max_num_seqs
+
+    def _record(self, req: Request) -> None:
+        out = RequestOutput(
+            req_id=req.req_id,
+            prompt_len=len(req.prompt_token_ids),
+            output_token_ids=list(req.output_token_ids),
+            ttft_s=(req.first_token_time or 0.0) - req.arrival_time,
+            latency_s=(req.finish_time or 0.0) - req.arrival_time,
+            num_gpu_hit_tokens=req.num_gpu_hit_tokens or 0,
+            num_tier_hit_tokens=req.num_tier_hit_tokens,
+            num_prefill_tokens_computed=req.num_prefill_tokens_computed,
+            num_preemptions=req.num_preemptions,
+        )
+        s = self.stats
+        s.prefill_tokens_computed += out.num_prefill_tokens_computed
+        s.decode_tokens += len(out.output_token_ids)
+        s.gpu_hit_tokens += out.num_gpu_hit_tokens
+        s.tier_hit_tokens += out.num_tier_hit_tokens
+        s.preemptions += out.num_preemptions
+        s.finished.append(out)
+        self._outputs.append(out)
+        del self._requests[req.req_id]
+
+    def _take_outputs(self) -> list[RequestOutput]:
+        outs, self._outputs = self._outputs, []
+        return outs
+
+    def take_kv_events(self) -> list[KVEvent]:
+        events = self.pool.take_events()
+        if self.connector is not None:
+            events.extend(self.connector.take_events())
+        return events
+
+    def _publish_events(self) -> None:
+        if self.publisher is not None:
+            events = self.take_kv_events()
+            if events:
+                self.publisher.publish(events)
+
+    # -- convenience ----------------------------------------------------------
+
+    def generate(
+        self, prompts: Iterable[Sequence[int]], sampling: SamplingParams | None = None
+    ) -> list[list[int]]:
+        """Run ``prompts`` to completion; outputs in prompt order."""
+        ids = [self.add_request(p, sampling) for p in prompts]
+        done: dict[str, list[int]] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                done[out.req_id] = out.output_token_ids
+        return [done[i] for i in ids]
+
+    def drain(self) -> None:
+        """Wait for every in-flight transfer and settle it."""
+        while self.connector is not None and self.connector.num_in_flight_jobs():
+            self._settle_transfers(block=True)
+
+    def close(self) -> None:
+        self.drain()
+        if self.offload is not None:
+            self.offload.close()
+        if self.publisher is not None:
+            self.publisher.shutdown()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
