@@ -1,0 +1,204 @@
+"""What the scheduler side knows about a secondary tier: keys, specs, events, the manager.
+
+No tensors here. A tier stores *offloaded blocks* named by ``OffloadKey``;
+the scheduler asks the tier's ``OffloadingManager`` where a block is (a
+``LoadStoreSpec`` of slot ids) and hands that spec to the worker side, which
+moves the bytes.
+
+Life of a key in a manager::
+
+    unknown --prepare_store--> storing --complete_store(ok)--> stored
+       ^                          |                              |  ^
+       +--complete_store(fail)----+     prepare_load (pin, ref+1) v  | complete_load (ref-1)
+       +---------------- evicted (only when stored and ref == 0) --+
+
+Only *stored* keys count in ``lookup`` and can be loaded; a key being stored
+or pinned by a load is never evicted.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+import numpy as np
+
+OffloadKey = NewType("OffloadKey", bytes)
+
+_GROUP_BYTES = 4
+_MAX_GROUP = 1 << (8 * _GROUP_BYTES)
+
+
+def make_offload_key(block_hash: bytes, group_idx: int = 0) -> OffloadKey:
+    """The key of an offloaded block: its block hash + 4-byte big-endian group index.
+
+    The group index keeps blocks of different KV cache groups (e.g. full and
+    sliding-window attention layers) that share a hash apart.
+    """
+    if not 0 <= group_idx < _MAX_GROUP:
+        raise ValueError(f"group_idx must be in [0, 2**32), got {group_idx}")
+    return OffloadKey(bytes(block_hash) + group_idx.to_bytes(_GROUP_BYTES, "big"))
+
+
+def _check_key(key: bytes) -> None:
+    if len(key) < _GROUP_BYTES:
+        raise ValueError(f"an OffloadKey has at least {_GROUP_BYTES} bytes, got {len(key)}")
+
+
+def offload_key_block_hash(key: bytes) -> bytes:
+    """The block hash part of ``key``."""
+    _check_key(key)
+    return bytes(key[:-_GROUP_BYTES])
+
+
+def offload_key_group_idx(key: bytes) -> int:
+    """The group index part of ``key``."""
+    _check_key(key)
+    return int.from_bytes(key[-_GROUP_BYTES:], "big")
+
+
+class LoadStoreSpec(ABC):
+    """Where blocks are (or go) in one medium; the worker side interprets it."""
+
+    @staticmethod
+    @abstractmethod
+    def medium() -> str:
+        """The medium's name, as used in KV events ("GPU", "CPU", "DISK", ...)."""
+
+
+class BlockIDsLoadStoreSpec(LoadStoreSpec):
+    """Blocks named by integer ids within the medium, in transfer order.
+
+    ``block_ids`` is a 1-D int64 numpy array (a copy when the input was not one).
+    """
+
+    __slots__ = ("block_ids",)
+
+    def __init__(self, block_ids: Sequence[int] | np.ndarray) -> None:
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if ids.ndim != 1:
+            raise ValueError(f"block_ids must be 1-D, got shape {ids.shape}")
+        self.block_ids: np.ndarray = ids
+
+    def __len__(self) -> int:
+        return int(self.block_ids.shape[0])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BlockIDsLoadStoreSpec):
+            return NotImplemented
+        return self.medium() == other.medium() and np.array_equal(self.block_ids, other.block_ids)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable array inside
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.block_ids.tolist()})"
+
+
+class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
+    """GPU block ids (the engine's block pool)."""
+
+    @staticmethod
+    def medium() -> str:
+        return "GPU"
+
+
+class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
+    """Slot ids in the pinned CPU block pool."""
+
+    @staticmethod
+    def medium() -> str:
+        return "CPU"
+
+
+@dataclass
+class PrepareStoreOutput:
+    """What ``prepare_store`` decided.
+
+    ``keys_to_store``: the requested keys the tier lacked, in request order;
+    ``store_spec``: where each of them goes (same order);
+    ``evicted_keys``: keys dropped to make room (the caller may write them to a
+    lower tier, and must stop offering them as hits);
+    ``evicted_spec``: where the evicted keys were (same order as
+    ``evicted_keys``), or None when the manager does not say. Those slots are
+    reused by this very store, so whoever copies evicted blocks down must do it
+    before the store's transfer writes them.
+    """
+
+    keys_to_store: list[OffloadKey]
+    store_spec: LoadStoreSpec
+    evicted_keys: list[OffloadKey]
+    evicted_spec: LoadStoreSpec | None = None
+
+
+@dataclass
+class OffloadingEvent:
+    """Keys that became stored (``removed=False``) in or were dropped from ``medium``.
+
+    No block size: the GPU tier's events already carry it, and leaving it out
+    lets one event group blocks of different sizes.
+    """
+
+    keys: list[OffloadKey]
+    medium: str
+    removed: bool
+
+
+class OffloadingManager(ABC):
+    """The scheduler-side index of one secondary tier (or a stack of tiers).
+
+    Keys passed in one call are in chain order (a request's blocks, head
+    first) where the caller has that order; managers may use it to keep a
+    chain's head longer than its tail.
+    """
+
+    @property
+    @abstractmethod
+    def medium(self) -> str:
+        """The medium of the specs and events this manager produces."""
+
+    @property
+    @abstractmethod
+    def num_blocks(self) -> int:
+        """Capacity in offloaded blocks."""
+
+    @abstractmethod
+    def num_free_blocks(self) -> int:
+        """Slots holding nothing (a store of this many new keys needs no eviction)."""
+
+    @abstractmethod
+    def num_evictable_blocks(self) -> int:
+        """Stored keys that could be evicted right now (not pinned, not being stored)."""
+
+    @abstractmethod
+    def is_stored(self, key: OffloadKey) -> bool:
+        """Whether ``key`` is stored and ready to load (a store in flight is not)."""
+
+    @abstractmethod
+    def lookup(self, keys: Sequence[OffloadKey]) -> int:
+        """How many leading ``keys`` are stored and ready to load."""
+
+    @abstractmethod
+    def prepare_load(self, keys: Sequence[OffloadKey]) -> LoadStoreSpec:
+        """Pin ``keys`` (all stored) against eviction until ``complete_load``; where they are."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Mark ``keys`` as just used; unknown keys are ignored."""
+
+    @abstractmethod
+    def complete_load(self, keys: Sequence[OffloadKey]) -> None:
+        """Drop the pins ``prepare_load(keys)`` took."""
+
+    @abstractmethod
+    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+        """Make room for the ``keys`` not stored yet; None (nothing changed) if impossible."""
+
+    @abstractmethod
+    def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
+        """The store of ``keys`` finished: they become loadable, or are dropped on failure."""
+
+    @abstractmethod
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Events since the last call (none when events are disabled)."""

@@ -1,0 +1,219 @@
+"""The CPU tier's manager: ``num_blocks`` slots of pinned host memory, by slot id.
+
+State per key (see ``kvoffload.offload.base`` for the life cycle):
+
+- ``_slot_of``: every key the tier holds, stored or being stored, and its slot;
+- ``_storing``: keys whose store is in flight (not loadable, not evictable);
+- ``_refs``: load pins of stored keys (present only while > 0).
+
+Invariants: the slots of ``_slot_of`` and ``_free`` are disjoint and together
+are ``range(num_blocks)``; the policy's resident keys are exactly the stored
+keys (``_slot_of`` minus ``_storing``) and its pinned keys exactly ``_refs``.
+Every operation costs O(len(keys)) (amortised, in the policy): nothing scans
+all stored blocks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from kvoffload.offload.base import (
+    CPULoadStoreSpec,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+)
+from kvoffload.offload.policies.base import CachePolicy
+from kvoffload.offload.policies.registry import make_policy
+
+#: The policy with the best hit rate on ``kvoffload bench offload`` (see its report).
+DEFAULT_CACHE_POLICY = "chain_lru"
+
+
+class CPUOffloadingManager(OffloadingManager):
+    """Slots, pins and events of the CPU tier; the eviction order is ``cache_policy``'s.
+
+    ``prepare_store`` returns, besides the contract's fields, ``evicted_spec``:
+    the slots the evicted keys occupied, so a tiered manager above can copy
+    them to a lower tier before this store's transfer overwrites them.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        cache_policy: str = DEFAULT_CACHE_POLICY,
+        enable_events: bool = False,
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self._num_blocks = num_blocks
+        self.cache_policy = cache_policy
+        self.policy: CachePolicy = make_policy(cache_policy, num_blocks)
+        self._hints = type(self.policy).hint_parent is not CachePolicy.hint_parent
+        self.enable_events = enable_events
+        # Lowest slot ids first: pop() from the end.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._slot_of: dict[OffloadKey, int] = {}
+        self._storing: set[OffloadKey] = set()
+        self._refs: dict[OffloadKey, int] = {}
+        self._events: list[OffloadingEvent] = []
+
+    # -- introspection ------------------------------------------------------
+
+    @property
+    def medium(self) -> str:
+        return CPULoadStoreSpec.medium()
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def num_evictable_blocks(self) -> int:
+        return self.policy.num_evictable()
+
+    def num_stored_blocks(self) -> int:
+        """Keys stored and ready (pinned included, stores in flight excluded)."""
+        return len(self._slot_of) - len(self._storing)
+
+    def is_stored(self, key: OffloadKey) -> bool:
+        return key in self._slot_of and key not in self._storing
+
+    def is_storing(self, key: OffloadKey) -> bool:
+        return key in self._storing
+
+    def ref_count(self, key: OffloadKey) -> int:
+        """Load pins currently held on ``key``."""
+        return self._refs.get(key, 0)
+
+    def slot_of(self, key: OffloadKey) -> int | None:
+        """The slot of a stored or storing key, None for an unknown one."""
+        return self._slot_of.get(key)
+
+    # -- loads --------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[OffloadKey]) -> int:
+        slot_of, storing = self._slot_of, self._storing
+        n = 0
+        for key in keys:
+            if key not in slot_of or key in storing:
+                break
+            n += 1
+        if self._hints and 0 < n < len(keys):
+            self.policy.hint_parent(keys[n], keys[n - 1])
+        return n
+
+    def prepare_load(self, keys: Sequence[OffloadKey]) -> CPULoadStoreSpec:
+        keys = list(keys)
+        for key in keys:
+            if not self.is_stored(key):
+                raise ValueError(f"cannot load key {key.hex()}: not stored (or still storing)")
+        refs = self._refs
+        newly_pinned: list[OffloadKey] = []
+        for key in keys:
+            r = refs.get(key, 0)
+            if r == 0:
+                newly_pinned.append(key)
+            refs[key] = r + 1
+        if newly_pinned:
+            self.policy.pin(newly_pinned)
+        self.policy.access(keys)
+        return CPULoadStoreSpec([self._slot_of[k] for k in keys])
+
+    def complete_load(self, keys: Sequence[OffloadKey]) -> None:
+        keys = list(keys)
+        refs = self._refs
+        for key, n in Counter(keys).items():
+            if refs.get(key, 0) < n:
+                raise ValueError(f"complete_load of key {key.hex()} that is not pinned that often")
+        unpinned: list[OffloadKey] = []
+        for key in keys:
+            r = refs[key] - 1
+            if r == 0:
+                del refs[key]
+                unpinned.append(key)
+            else:
+                refs[key] = r
+        if unpinned:
+            self.policy.unpin(unpinned)
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        slot_of, storing = self._slot_of, self._storing
+        known = [k for k in keys if k in slot_of and k not in storing]
+        if known:
+            self.policy.access(known)
+
+    # -- stores -------------------------------------------------------------
+
+    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
+        slot_of = self._slot_of
+        unique = list(dict.fromkeys(keys))
+        new = [k for k in unique if k not in slot_of]
+        if self._hints and len(new) < len(unique):
+            self._hint_continuations(unique)
+        if not new:
+            return PrepareStoreOutput([], CPULoadStoreSpec([]), [], CPULoadStoreSpec([]))
+        need = len(new) - len(self._free)
+        policy = self.policy
+        victims: list[OffloadKey] = []
+        if need > 0:
+            # Stored keys of this very store are kept: evicting them to make
+            # room for their own chain would be self-defeating.
+            protect = [
+                k for k in unique if k in slot_of and k not in self._storing and k not in self._refs
+            ]
+            if need > policy.num_evictable() - len(protect):
+                return None
+            if protect:
+                policy.pin(protect)
+            victims = policy.evict(need, new)
+            if protect:
+                policy.unpin(protect)
+        else:
+            policy.evict(0, new)
+        victim_slots = [slot_of.pop(v) for v in victims]
+        self._free.extend(victim_slots)
+        if victims and self.enable_events:
+            self._events.append(OffloadingEvent(victims, self.medium, removed=True))
+        free = self._free
+        slots = [free.pop() for _ in new]
+        for key, slot in zip(new, slots):
+            slot_of[key] = slot
+        self._storing.update(new)
+        return PrepareStoreOutput(
+            new, CPULoadStoreSpec(slots), victims, CPULoadStoreSpec(victim_slots)
+        )
+
+    def _hint_continuations(self, keys: list[OffloadKey]) -> None:
+        """Tell the policy which new keys continue a stored one (see ``hint_parent``)."""
+        slot_of, storing, hint = self._slot_of, self._storing, self.policy.hint_parent
+        prev: OffloadKey | None = None
+        for key in keys:
+            if prev is not None and key not in slot_of:
+                hint(key, prev)
+            prev = key if key in slot_of and key not in storing else None
+
+    def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
+        keys = list(dict.fromkeys(keys))
+        storing = self._storing
+        for key in keys:
+            if key not in storing:
+                raise ValueError(f"complete_store of key {key.hex()} that is not being stored")
+        storing.difference_update(keys)
+        if success:
+            self.policy.insert(keys)
+            if self.enable_events:
+                self._events.append(OffloadingEvent(keys, self.medium, removed=False))
+        else:
+            slot_of = self._slot_of
+            self._free.extend(slot_of.pop(k) for k in keys)
+
+    # -- events -------------------------------------------------------------
+
+    def take_events(self) -> list[OffloadingEvent]:
+        events, self._events = self._events, []
+        return events

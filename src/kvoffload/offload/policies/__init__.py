@@ -1,0 +1,31 @@
+"""Cache policies of a tier, by name.
+
+``lru``, ``lru_flat``, ``chain_lru``, ``arc``, ``s3fifo``, ``sieve``; see ``registry``.
+"""
+
+from kvoffload.offload.policies.arc import ARCPolicy
+from kvoffload.offload.policies.base import CachePolicy
+from kvoffload.offload.policies.chain_lru import ChainLRUPolicy
+from kvoffload.offload.policies.lru import FlatLRUPolicy, LRUPolicy
+from kvoffload.offload.policies.registry import (
+    POLICIES,
+    make_policy,
+    policy_names,
+    register_policy,
+)
+from kvoffload.offload.policies.s3fifo import S3FIFOPolicy
+from kvoffload.offload.policies.sieve import SievePolicy
+
+__all__ = [
+    "POLICIES",
+    "ARCPolicy",
+    "CachePolicy",
+    "ChainLRUPolicy",
+    "FlatLRUPolicy",
+    "LRUPolicy",
+    "S3FIFOPolicy",
+    "SievePolicy",
+    "make_policy",
+    "policy_names",
+    "register_policy",
+]

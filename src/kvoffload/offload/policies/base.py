@@ -1,0 +1,89 @@
+"""The interface every cache policy of a tier implements.
+
+A policy only orders keys; the manager owns slots, ref counts and events.
+The manager guarantees, and a policy may rely on:
+
+- ``insert(keys)``: each key is new to the policy (not resident) and unpinned;
+  the keys are one store's, in chain order (head first);
+- ``access(keys)``: each key is resident (it may be pinned);
+- ``pin(keys)``: each key is resident and unpinned; afterwards it is no
+  eviction candidate until ``unpin``. A key is pinned once however many loads
+  hold it (the manager counts references);
+- ``unpin(keys)``: each key is pinned;
+- ``evict(n, incoming)``: called once per store that brings new keys, with
+  ``0 <= n <= num_evictable()``; returns ``n`` distinct unpinned resident keys
+  and forgets them (ghost lists may remember them). ``incoming`` are the keys
+  about to be inserted (policies with ghost lists adapt to them here; the
+  store may still fail, in which case they are never inserted).
+
+Every operation is O(1) amortised per key: no scan over the resident keys.
+The resident count never exceeds ``capacity`` (the manager has that many
+slots).
+
+Chains: a lookup only counts a chain's leading stored blocks, so a chain's
+head is worth at least as much as its tail (every request that reaches a block
+also reads all blocks before it). Policies therefore take the keys of one call
+tail first (``chain_order``) so that the head ends up the most recently used
+and a chain is evicted from its tail. ``hint_parent`` tells a policy where a
+stored chain is about to be continued by a store (see ``chain_lru``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
+
+from kvoffload.offload.base import OffloadKey
+
+
+class CachePolicy(ABC):
+    """Eviction order over the resident keys of one tier of ``capacity`` slots."""
+
+    name: ClassVar[str]
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.capacity = capacity
+
+    @staticmethod
+    def chain_order(keys: Sequence[OffloadKey]) -> Sequence[OffloadKey]:
+        """The order in which one call's keys are applied: tail first, head last."""
+        return keys[::-1]
+
+    def hint_parent(self, child: OffloadKey, parent: OffloadKey) -> None:
+        """``parent`` precedes ``child`` in a chain and is stored; ``child`` may come next.
+
+        Optional (the default ignores it). The manager gives it where it sees a
+        chain continue past the stored blocks: the first miss after a lookup's
+        hits, and the first new key after stored ones in a store.
+        """
+        return None
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Resident keys (pinned included)."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is resident."""
+
+    @abstractmethod
+    def num_evictable(self) -> int:
+        """Resident keys that are not pinned."""
+
+    @abstractmethod
+    def insert(self, keys: Sequence[OffloadKey]) -> None: ...
+
+    @abstractmethod
+    def access(self, keys: Sequence[OffloadKey]) -> None: ...
+
+    @abstractmethod
+    def pin(self, keys: Sequence[OffloadKey]) -> None: ...
+
+    @abstractmethod
+    def unpin(self, keys: Sequence[OffloadKey]) -> None: ...
+
+    @abstractmethod
+    def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]: ...

@@ -1,0 +1,135 @@
+"""Chain-aware LRU: a chain's continuation is kept behind (evicted before) its prefix.
+
+Plain ``lru`` already makes each call's head the most recent key. What it
+cannot see is across calls: a request loads its prefix from the tier, and
+the blocks it computes after that are stored later, so they come out *more*
+recent than the prefix they extend. When that conversation goes cold, LRU
+then evicts the prefix first and keeps its continuation, which no lookup can
+reach any more (a lookup stops at the first missing block).
+
+Here the manager passes parent hints (``hint_parent(child, parent)``: the
+first block missing after a lookup's hits, and the first new block after a
+store's already stored ones), and ``insert`` places a hinted key right behind
+its parent in the recency list; the rest of one call's keys go right behind
+their predecessor, so a chain keeps its head newest. Keys without a hint (or
+whose parent is pinned or gone) go to the most recent end, as in ``lru``.
+
+An intrusive doubly linked list (sentinels at both ends) makes insert
+behind a given key O(1). Hints are kept for at most ``capacity`` children.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvoffload.offload.base import OffloadKey
+from kvoffload.offload.policies.base import CachePolicy
+
+
+class _Node:
+    __slots__ = ("key", "newer", "older")
+
+    def __init__(self, key: OffloadKey | None) -> None:
+        self.key = key
+        self.older: _Node | None = None
+        self.newer: _Node | None = None
+
+
+class ChainLRUPolicy(CachePolicy):
+    name = "chain_lru"
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._lru = _Node(None)  # sentinel before the least recent
+        self._mru = _Node(None)  # sentinel after the most recent
+        self._lru.newer = self._mru
+        self._mru.older = self._lru
+        self._nodes: dict[OffloadKey, _Node] = {}  # resident, pinned included
+        self._linked = 0
+        self._hints: OrderedDict[OffloadKey, OffloadKey] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._nodes
+
+    def num_evictable(self) -> int:
+        return self._linked
+
+    def hint_parent(self, child: OffloadKey, parent: OffloadKey) -> None:
+        hints = self._hints
+        hints[child] = parent
+        hints.move_to_end(child)
+        if len(hints) > self.capacity:
+            hints.popitem(last=False)
+
+    def _link_behind(self, node: _Node, anchor: _Node) -> None:
+        """Link ``node`` just less recent than ``anchor``."""
+        older = anchor.older
+        assert older is not None
+        node.older = older
+        node.newer = anchor
+        older.newer = node
+        anchor.older = node
+        self._linked += 1
+
+    def _unlink(self, node: _Node) -> None:
+        older, newer = node.older, node.newer
+        assert older is not None and newer is not None
+        older.newer = newer
+        newer.older = older
+        node.older = node.newer = None
+        self._linked -= 1
+
+    def insert(self, keys: Sequence[OffloadKey]) -> None:
+        nodes, hints = self._nodes, self._hints
+        anchor = self._mru
+        for key in keys:
+            parent = hints.pop(key, None)
+            if parent is not None:
+                pnode = nodes.get(parent)
+                if pnode is not None and pnode.older is not None:
+                    anchor = pnode
+            node = _Node(key)
+            nodes[key] = node
+            self._link_behind(node, anchor)
+            anchor = node
+
+    def access(self, keys: Sequence[OffloadKey]) -> None:
+        nodes, mru = self._nodes, self._mru
+        for key in self.chain_order(keys):
+            node = nodes[key]
+            if node.older is not None and node.newer is not mru:
+                self._unlink(node)
+                self._link_behind(node, mru)
+
+    def pin(self, keys: Sequence[OffloadKey]) -> None:
+        nodes = self._nodes
+        for key in keys:
+            self._unlink(nodes[key])
+
+    def unpin(self, keys: Sequence[OffloadKey]) -> None:
+        nodes, mru = self._nodes, self._mru
+        for key in self.chain_order(keys):
+            self._link_behind(nodes[key], mru)
+
+    def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
+        victims: list[OffloadKey] = []
+        for _ in range(n):
+            node = self._lru.newer
+            assert node is not None and node.key is not None, "nothing evictable"
+            self._unlink(node)
+            del self._nodes[node.key]
+            victims.append(node.key)
+        return victims
+
+    def lru_order(self) -> list[OffloadKey]:
+        """Unpinned keys, next victim first (for tests and debugging; O(n))."""
+        out: list[OffloadKey] = []
+        node = self._lru.newer
+        while node is not None and node.key is not None:
+            out.append(node.key)
+            node = node.newer
+        return out
