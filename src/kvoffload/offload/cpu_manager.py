@@ -35,6 +35,12 @@ DEFAULT_CACHE_POLICY = "chain_lru"
 class CPUOffloadingManager(OffloadingManager):
     """Slots, pins and events of the CPU tier; the eviction order is ``cache_policy``'s.
 
+    Events (only with ``enable_events``), in the order things happened: one
+    ``removed=True`` event per ``prepare_store`` that evicted (victims in
+    eviction order), one ``removed=False`` event per successful
+    ``complete_store`` (its keys). A failed store leaves no event: its keys
+    were never announced.
+
     ``prepare_store`` returns, besides the contract's fields, ``evicted_spec``:
     the slots the evicted keys occupied, so a tiered manager above can copy
     them to a lower tier before this store's transfer overwrites them.

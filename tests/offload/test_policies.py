@@ -1,0 +1,270 @@
+"""Cache policies on their own: eviction orders, ARC adaptation, registry."""
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvoffload.offload.policies import (
+    POLICIES,
+    ARCPolicy,
+    CachePolicy,
+    ChainLRUPolicy,
+    FlatLRUPolicy,
+    LRUPolicy,
+    S3FIFOPolicy,
+    SievePolicy,
+    make_policy,
+    policy_names,
+    register_policy,
+)
+from tests.offload.keyutil import key, keys
+
+
+def one_by_one(policy: CachePolicy, *ids: int) -> None:
+    for i in ids:
+        policy.insert([key(i)])
+
+
+def test_registry_knows_every_policy() -> None:
+    assert {"lru", "lru_flat", "chain_lru", "arc", "s3fifo", "sieve"} <= set(policy_names())
+    assert isinstance(make_policy("arc", 4), ARCPolicy)
+    with pytest.raises(ValueError, match="known: arc, chain_lru"):
+        make_policy("lfu", 4)
+    with pytest.raises(ValueError, match="capacity"):
+        make_policy("lru", 0)
+
+
+def test_register_rejects_a_second_class_under_a_taken_name() -> None:
+    class Other(LRUPolicy):
+        name = "lru"
+
+    with pytest.raises(ValueError, match="already registered"):
+        register_policy(Other)
+    assert register_policy(LRUPolicy) is LRUPolicy
+    assert POLICIES["lru"] is LRUPolicy
+
+
+@pytest.mark.parametrize("cls", [LRUPolicy, ChainLRUPolicy])
+def test_lru_order(cls: type[LRUPolicy] | type[ChainLRUPolicy]) -> None:
+    p = cls(8)
+    one_by_one(p, 1, 2, 3)
+    p.access(keys(1))
+    assert p.lru_order() == keys(2, 3, 1)
+    assert p.evict(2, []) == keys(2, 3)
+    assert len(p) == 1 and key(1) in p and key(2) not in p
+
+
+@pytest.mark.parametrize("cls", [LRUPolicy, ChainLRUPolicy])
+def test_lru_takes_a_chain_tail_first(cls: type[LRUPolicy] | type[ChainLRUPolicy]) -> None:
+    p = cls(8)
+    p.insert(keys(1, 2, 3))  # one chain, head first
+    assert p.evict(3, []) == keys(3, 2, 1)
+    p.insert(keys(4, 5))
+    p.insert(keys(6))
+    p.access(keys(4, 5))
+    assert p.evict(3, []) == keys(6, 5, 4)
+
+
+def test_flat_lru_takes_keys_in_the_order_given() -> None:
+    p = FlatLRUPolicy(8)
+    p.insert(keys(1, 2, 3))
+    assert p.evict(3, []) == keys(1, 2, 3)
+
+
+@pytest.mark.parametrize("cls", [LRUPolicy, ChainLRUPolicy])
+def test_lru_pinned_keys_leave_and_return_as_most_recent(
+    cls: type[LRUPolicy] | type[ChainLRUPolicy],
+) -> None:
+    p = cls(8)
+    one_by_one(p, 1, 2, 3)
+    p.pin(keys(1))
+    assert p.num_evictable() == 2 and len(p) == 3
+    assert p.evict(1, []) == keys(2)
+    p.unpin(keys(1))
+    assert p.lru_order() == keys(3, 1)
+
+
+def test_chain_lru_places_a_hinted_continuation_behind_its_parent() -> None:
+    p = ChainLRUPolicy(8)
+    p.insert(keys(1, 2))  # order: 2, 1 (head newest)
+    one_by_one(p, 9)  # an unrelated, newer key
+    p.hint_parent(key(3), key(2))
+    p.insert(keys(3, 4))
+    assert p.lru_order() == keys(4, 3, 2, 1, 9)
+    # No hint: like lru.
+    p.insert(keys(5))
+    assert p.lru_order()[-1] == key(5)
+    # A pinned parent cannot anchor: the continuation goes to the recent end.
+    p.pin(keys(1))
+    p.hint_parent(key(6), key(1))
+    p.insert(keys(6))
+    assert p.lru_order()[-1] == key(6)
+
+
+def test_chain_lru_hints_are_bounded() -> None:
+    p = ChainLRUPolicy(2)
+    for i in range(10):
+        p.hint_parent(key(100 + i), key(i))
+    assert len(p._hints) == 2
+
+
+def arc_state(p: ARCPolicy) -> tuple[list[bytes], list[bytes], list[bytes], list[bytes]]:
+    return list(p.t1), list(p.t2), list(p.b1), list(p.b2)
+
+
+def test_arc_ghost_hits_adapt_p() -> None:
+    p = ARCPolicy(4)
+    one_by_one(p, 1, 2, 3, 4)
+    p.access(keys(1, 2))  # used again: T2
+    assert arc_state(p) == (keys(3, 4), keys(2, 1), [], [])
+    assert p.evict(1, keys(5)) == keys(3)  # |T1| = 2 > p = 0: T1's LRU, remembered in B1
+    p.insert(keys(5))
+    assert arc_state(p) == (keys(4, 5), keys(2, 1), keys(3), [])
+    # A B1 hit grows p, and the key comes back in T2.
+    assert p.evict(1, keys(3)) == keys(4)
+    assert p.p == 1.0
+    p.insert(keys(3))
+    assert arc_state(p) == (keys(5), keys(2, 1, 3), keys(4), [])
+    # |T1| = 1 is not > p = 1: T2's LRU goes to B2.
+    assert p.evict(1, keys(6)) == keys(2)
+    p.insert(keys(6))
+    assert p.b2 and key(2) in p.b2
+    # A B2 hit shrinks p.
+    p.evict(1, keys(2))
+    assert p.p == 0.0
+    p.insert(keys(2))
+    assert key(2) in p.t2
+
+
+def test_arc_p_stays_within_bounds() -> None:
+    p = ARCPolicy(3)
+    for i in range(200):
+        if len(p) == 3:
+            victim = p.evict(1, keys(i % 7))
+            assert len(victim) == 1
+        if key(i % 7) not in p:
+            p.insert(keys(i % 7))
+        else:
+            p.access(keys(i % 7))
+        assert 0 <= p.p <= 3
+
+
+def test_s3fifo_evicts_one_hit_keys_and_promotes_reused_ones() -> None:
+    p = S3FIFOPolicy(10)  # small queue target: 1
+    one_by_one(p, *range(1, 11))
+    p.access(keys(1))
+    assert p.evict(1, []) == keys(2)  # 1 was reused: moved to main instead
+    assert key(1) in p.main and key(2) in p.ghost
+    p.insert(keys(2))  # remembered by the ghost queue: straight to main
+    assert key(2) in p.main
+
+
+def test_s3fifo_main_queue_is_a_clock() -> None:
+    p = S3FIFOPolicy(10)
+    one_by_one(p, *range(1, 11))
+    p.access(keys(*range(1, 11)))
+    for _ in range(9):
+        p.evict(1, [])  # everything reused moves to main: small is drained first
+    assert len(p) == 1
+
+
+def test_sieve_hand_spares_visited_keys_without_moving_them() -> None:
+    p = SievePolicy(3)
+    one_by_one(p, 1, 2, 3)
+    p.access(keys(1))
+    assert p.evict(1, []) == keys(2)  # 1 visited: spared, bit cleared
+    p.insert(keys(4))
+    assert p.evict(1, []) == keys(3)  # the hand continues from where it stopped
+    assert p.evict(1, []) == keys(4)
+    assert p.evict(1, []) == keys(1)
+    assert len(p) == 0 and p.num_evictable() == 0
+
+
+def test_sieve_pinned_keys_are_skipped_by_the_hand() -> None:
+    p = SievePolicy(3)
+    one_by_one(p, 1, 2, 3)
+    p.pin(keys(1))
+    assert p.evict(1, []) == keys(2)
+    p.unpin(keys(1))
+    assert p.evict(1, []) == keys(3)
+    assert p.evict(1, []) == keys(1)
+
+
+CAPACITY = 5
+
+
+class PolicyMachine(RuleBasedStateMachine):
+    """Any policy: victims are resident and unpinned, counts agree, capacity holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy: CachePolicy | None = None
+        self.resident: set[bytes] = set()
+        self.pinned: set[bytes] = set()
+
+    @precondition(lambda self: self.policy is None)
+    @rule(name=st.sampled_from(sorted(POLICIES)))
+    def choose(self, name: str) -> None:
+        self.policy = make_policy(name, CAPACITY)
+
+    @precondition(lambda self: self.policy is not None)
+    @rule(ids=st.lists(st.integers(0, 12), min_size=1, max_size=4, unique=True))
+    def store(self, ids: list[int]) -> None:
+        assert self.policy is not None
+        new = [key(i) for i in ids if key(i) not in self.resident]
+        need = len(new) - (CAPACITY - len(self.resident))
+        if need > len(self.resident - self.pinned):
+            return
+        victims = self.policy.evict(max(need, 0), new)
+        assert len(victims) == max(need, 0) == len(set(victims))
+        for v in victims:
+            assert v in self.resident and v not in self.pinned
+            self.resident.remove(v)
+        self.policy.insert(new)
+        self.resident.update(new)
+
+    @precondition(lambda self: self.policy is not None)
+    @rule(ids=st.lists(st.integers(0, 12), max_size=4, unique=True))
+    def access(self, ids: list[int]) -> None:
+        assert self.policy is not None
+        self.policy.access([key(i) for i in ids if key(i) in self.resident])
+
+    @precondition(lambda self: self.policy is not None)
+    @rule(ids=st.lists(st.integers(0, 12), max_size=3, unique=True))
+    def pin(self, ids: list[int]) -> None:
+        assert self.policy is not None
+        ks = [key(i) for i in ids if key(i) in self.resident and key(i) not in self.pinned]
+        self.policy.pin(ks)
+        self.pinned.update(ks)
+
+    @precondition(lambda self: self.policy is not None and self.pinned)
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        assert self.policy is not None
+        ks = data.draw(st.lists(st.sampled_from(sorted(self.pinned)), unique=True, min_size=1))
+        self.policy.unpin(ks)
+        self.pinned.difference_update(ks)
+
+    @invariant()
+    def counts_agree(self) -> None:
+        p = self.policy
+        if p is None:
+            return
+        assert len(p) == len(self.resident) <= CAPACITY
+        assert p.num_evictable() == len(self.resident - self.pinned)
+        for i in range(13):
+            assert (key(i) in p) == (key(i) in self.resident)
+        if isinstance(p, ARCPolicy):
+            assert p.n1 + p.n2 == len(p) <= CAPACITY
+            assert p.n1 + len(p.b1) <= CAPACITY
+            assert p.n1 + p.n2 + len(p.b1) + len(p.b2) <= 2 * CAPACITY
+            assert 0 <= p.p <= CAPACITY
+            assert not (set(p.b1) | set(p.b2)) & self.resident
+        if isinstance(p, S3FIFOPolicy):
+            assert len(p.ghost) <= p.ghost_capacity
+            assert not set(p.ghost) & self.resident
+
+
+TestPolicyMachine = PolicyMachine.TestCase
+TestPolicyMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
