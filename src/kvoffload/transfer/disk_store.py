@@ -1,0 +1,837 @@
+"""The disk tier's bytes: KV blocks in preallocated slab files, with a persistent index.
+
+Directory layout::
+
+    manifest.json   geometry fingerprint, hash function, block and slot sizes,
+                    capacity; written last at creation (atomic rename), so its
+                    presence means the slabs and the index exist
+    slab-00000.bin  ``blocks_per_file`` slots of ``slot_bytes`` each (block
+    slab-00001.bin  bytes rounded up to 4 KiB so that O_DIRECT offsets align)
+    index.log       append-only log of fixed-size records: PUT(slot, key,
+                    checksum, seq) and DEL(slot); each record carries its own
+                    checksum, so a torn tail record is ignored on replay;
+                    compacted by writing a snapshot and renaming it over
+    .lock           flock'ed while a process has the store open
+
+Invariants:
+
+- An index entry names a slot whose bytes were fully written before the
+  entry's PUT record was appended; a slot being overwritten has no entry (the
+  in-memory entry is dropped before the write, and its old checksum no longer
+  matches should a crash leave the old record in the log).
+- Every read verifies the block's xxh3-64 checksum; a mismatch or a short read
+  (a truncated slab) is a miss, the entry is dropped (and logged as DEL), and
+  the caller's buffer must not be used. A corrupt block is never reported as
+  a hit.
+- The store never chooses slots or victims: the scheduler side (the disk
+  tier's manager) does, and passes slots in. Re-opening a directory hands the
+  surviving entries back through ``entries()`` so that manager can rebuild.
+
+I/O runs with O_DIRECT when the filesystem accepts it (probed at open) and
+buffered otherwise; runs of consecutive slots are coalesced into one
+``preadv``/``pwritev`` and spread over a thread pool (both release the GIL).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import struct
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from kvoffload.transfer.block_buffers import (
+    BlockBuffers,
+    address_of,
+    aligned_empty,
+    as_block_views,
+)
+
+logger = logging.getLogger(__name__)
+
+ALIGN = 4096
+FORMAT_NAME = "kvoffload-disk-tier"
+FORMAT_VERSION = 1
+CHECKSUM_NAME = "xxh3_64"
+MANIFEST_NAME = "manifest.json"
+INDEX_NAME = "index.log"
+LOCK_NAME = ".lock"
+MAX_KEY_BYTES = 64
+
+_OP_PUT = 1
+_OP_DEL = 2
+_REC_MAGIC = b"KVIX"
+# magic, op, key_len, pad, slot, seq, checksum, key, record checksum
+_RECORD = struct.Struct("<4sBBHIQQ64sI")
+_REC_BODY = _RECORD.size - 4
+# Bound on one preadv/pwritev: iovec count and bytes.
+_MAX_RUN_IOV = 512
+_MAX_RUN_BYTES = 16 << 20
+# Batches below this many bytes run on the calling thread (pool overhead dominates).
+_INLINE_BYTES = 1 << 20
+
+
+class DiskStoreError(RuntimeError):
+    """The disk tier cannot be used as configured (bad directory, no space, in use)."""
+
+
+class DiskStoreMismatchError(DiskStoreError):
+    """The directory holds a disk tier written by an incompatible engine."""
+
+
+@dataclass(frozen=True)
+class DiskEntry:
+    """One stored block: ``key`` at ``slot``, with its checksum and write sequence."""
+
+    key: bytes
+    slot: int
+    checksum: int
+    seq: int
+
+
+@dataclass
+class DiskStoreStats:
+    blocks_written: int = 0
+    blocks_read: int = 0
+    write_errors: int = 0
+    misses: int = 0
+    corrupt_blocks: int = 0
+    truncated_blocks: int = 0
+
+
+def _record(op: int, slot: int, seq: int = 0, checksum: int = 0, key: bytes = b"") -> bytes:
+    body = _RECORD.pack(_REC_MAGIC, op, len(key), 0, slot, seq, checksum, key, 0)[:_REC_BODY]
+    return body + struct.pack("<I", xxhash.xxh32_intdigest(body))
+
+
+def _parse_record(rec: bytes) -> tuple[int, int, int, int, bytes] | None:
+    if len(rec) != _RECORD.size:
+        return None
+    magic, op, key_len, _, slot, seq, checksum, key, crc = _RECORD.unpack(rec)
+    if magic != _REC_MAGIC or crc != xxhash.xxh32_intdigest(rec[:_REC_BODY]):
+        return None
+    if op not in (_OP_PUT, _OP_DEL) or key_len > MAX_KEY_BYTES:
+        return None
+    return op, slot, seq, checksum, key[:key_len]
+
+
+class _IndexLog:
+    """The append-only index file; the caller serialises every call."""
+
+    def __init__(self, path: Path, durable: bool) -> None:
+        self.path = path
+        self.durable = durable
+        self.num_records = 0
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def replay(self) -> tuple[dict[int, DiskEntry], int]:
+        """Live entries by slot, and how many damaged records were skipped."""
+        with open(self.path, "rb") as f:
+            data = f.read()
+        entries: dict[int, DiskEntry] = {}
+        bad = 0
+        n = len(data) // _RECORD.size
+        for i in range(n):
+            parsed = _parse_record(data[i * _RECORD.size : (i + 1) * _RECORD.size])
+            if parsed is None:
+                # Skipping a damaged DEL may resurrect an older PUT; that block's
+                # checksum then fails on read (its slot was rewritten), so it is
+                # still never returned.
+                bad += 1
+                continue
+            op, slot, seq, checksum, key = parsed
+            if op == _OP_PUT:
+                entries[slot] = DiskEntry(key, slot, checksum, seq)
+            else:
+                entries.pop(slot, None)
+        if len(data) % _RECORD.size:
+            bad += 1  # a torn tail record
+        self.num_records = n
+        return entries, bad
+
+    def append(self, records: Sequence[bytes]) -> None:
+        if not records:
+            return
+        buf = b"".join(records)
+        view = memoryview(buf)
+        while view:
+            written = os.write(self._fd, view)
+            view = view[written:]
+        if self.durable:
+            os.fsync(self._fd)
+        self.num_records += len(records)
+
+    def rewrite(self, entries: Iterable[DiskEntry]) -> None:
+        """Replace the log by a snapshot of ``entries`` (atomic: temp file + rename)."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        records = [_record(_OP_PUT, e.slot, e.seq, e.checksum, e.key) for e in entries]
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, b"".join(records))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        _fsync_dir(self.path.parent)
+        os.close(self._fd)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
+        self.num_records = len(records)
+
+    def sync(self) -> None:
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, iov: list[Any], offset: int) -> None:
+    """``pwritev`` until every byte of ``iov`` is written (short writes continue)."""
+    while iov:
+        done = os.pwritev(fd, iov, offset)
+        offset += done
+        while iov and done >= len(iov[0]):
+            done -= len(iov[0])
+            iov = iov[1:]
+        if iov and done:
+            iov = [memoryview(iov[0])[done:], *iov[1:]]
+
+
+def _read_all(fd: int, iov: list[Any], offset: int) -> int:
+    """``preadv`` until ``iov`` is full or end of file; returns the bytes read."""
+    total = 0
+    while iov:
+        done = os.preadv(fd, iov, offset)
+        if done == 0:
+            break
+        total += done
+        offset += done
+        while iov and done >= len(iov[0]):
+            done -= len(iov[0])
+            iov = iov[1:]
+        if iov and done:
+            iov = [memoryview(iov[0])[done:], *iov[1:]]
+    return total
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+class DiskBlockStore:
+    """Fixed-size blocks in preallocated slab files under ``directory``.
+
+    ``geometry_fingerprint`` (the KV layout, dtype and block size, as a
+    string) and ``hash_fn`` (the block hash function's name) are recorded in
+    the manifest; re-opening with other values, another ``block_bytes`` or
+    another capacity raises ``DiskStoreMismatchError``. ``direct_io``: None
+    probes O_DIRECT and falls back to buffered I/O; True requires it; False
+    never uses it. ``durable=True`` fsyncs data before index records (and the
+    index after each batch); without it a crash may lose recent entries but,
+    thanks to checksums, never returns a torn block.
+
+    Thread-safe: batch calls may come from several threads at once.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        block_bytes: int,
+        capacity_blocks: int,
+        geometry_fingerprint: str,
+        *,
+        hash_fn: str = "",
+        blocks_per_file: int | None = None,
+        direct_io: bool | None = None,
+        num_io_threads: int = 4,
+        durable: bool = False,
+    ) -> None:
+        if block_bytes <= 0:
+            raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+        if capacity_blocks <= 0:
+            raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
+        if num_io_threads <= 0:
+            raise ValueError(f"num_io_threads must be positive, got {num_io_threads}")
+        if blocks_per_file is not None and blocks_per_file <= 0:
+            raise ValueError(f"blocks_per_file must be positive, got {blocks_per_file}")
+        self.directory = Path(directory)
+        self.block_bytes = block_bytes
+        self.slot_bytes = _round_up(block_bytes, ALIGN)
+        self.capacity_blocks = capacity_blocks
+        self.blocks_per_file = min(blocks_per_file or capacity_blocks, capacity_blocks)
+        self.geometry_fingerprint = geometry_fingerprint
+        self.hash_fn = hash_fn
+        self.durable = durable
+        self.stats = DiskStoreStats()
+        self._lock = threading.Lock()
+        self._by_slot: dict[int, DiskEntry] = {}
+        self._by_key: dict[bytes, DiskEntry] = {}
+        self._next_seq = 1
+        self._fds: list[int] = []
+        self._lock_fd = -1
+        self._index: _IndexLog | None = None
+        self._tls = threading.local()
+        self._pad = np.zeros(self.slot_bytes - block_bytes, dtype=np.uint8)
+        self._closed = False
+        try:
+            self._open(direct_io)
+        except BaseException:
+            self._release()
+            raise
+        self._pool = ThreadPoolExecutor(num_io_threads, thread_name_prefix="kvoffload-disk")
+
+    # -- opening ------------------------------------------------------------
+
+    def _manifest(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "checksum": CHECKSUM_NAME,
+            "geometry_fingerprint": self.geometry_fingerprint,
+            "hash_fn": self.hash_fn,
+            "block_bytes": self.block_bytes,
+            "slot_bytes": self.slot_bytes,
+            "capacity_blocks": self.capacity_blocks,
+            "blocks_per_file": self.blocks_per_file,
+        }
+
+    def _num_files(self) -> int:
+        return -(-self.capacity_blocks // self.blocks_per_file)
+
+    def _file_blocks(self, i: int) -> int:
+        return min(self.blocks_per_file, self.capacity_blocks - i * self.blocks_per_file)
+
+    def _slab_path(self, i: int) -> Path:
+        return self.directory / f"slab-{i:05d}.bin"
+
+    def _open(self, direct_io: bool | None) -> None:
+        d = self.directory
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise DiskStoreError(f"disk tier path {d} exists and is not a directory") from None
+        except OSError as e:
+            raise DiskStoreError(f"cannot create disk tier directory {d}: {e.strerror or e}") from e
+        if not d.is_dir():
+            raise DiskStoreError(f"disk tier path {d} exists and is not a directory")
+        try:
+            self._lock_fd = os.open(d / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise DiskStoreError(
+                f"disk tier directory {d} is not writable: {e.strerror or e}"
+            ) from e
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DiskStoreError(f"disk tier directory {d} is in use by another process") from None
+        manifest_path = d / MANIFEST_NAME
+        fresh = not manifest_path.exists()
+        if not fresh:
+            self._check_manifest(manifest_path)
+        try:
+            if fresh:
+                self._check_free_space()
+            self._open_slabs(direct_io, fresh)
+            self._index = _IndexLog(d / INDEX_NAME, self.durable)
+            if fresh:
+                self._index.rewrite([])
+                self._write_manifest(manifest_path)
+            else:
+                self._load_index()
+        except OSError as e:
+            raise DiskStoreError(f"disk tier directory {d} is not usable: {e}") from e
+
+    def _check_manifest(self, path: Path) -> None:
+        try:
+            have = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise DiskStoreMismatchError(
+                f"disk tier directory {self.directory} has an unreadable manifest ({e}); "
+                f"delete the directory or use another one"
+            ) from e
+        want = self._manifest()
+        if not isinstance(have, dict) or have.get("format") != FORMAT_NAME:
+            raise DiskStoreMismatchError(
+                f"{path} is not a kvoffload disk tier manifest; use another directory"
+            )
+        diffs = [
+            f"{k}: directory has {have.get(k)!r}, this engine has {v!r}"
+            for k, v in want.items()
+            if have.get(k) != v
+        ]
+        if diffs:
+            raise DiskStoreMismatchError(
+                f"disk tier directory {self.directory} was written by an incompatible "
+                f"configuration ({'; '.join(diffs)}); use another directory or delete it"
+            )
+
+    def _write_manifest(self, path: Path) -> None:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self._manifest(), indent=2, sort_keys=True) + "\n")
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        _fsync_dir(self.directory)
+
+    def _check_free_space(self) -> None:
+        need = self.capacity_blocks * self.slot_bytes
+        have = sum(
+            p.stat().st_size for i in range(self._num_files()) if (p := self._slab_path(i)).exists()
+        )
+        free = shutil.disk_usage(self.directory).free
+        if need - have > free:
+            raise DiskStoreError(
+                f"not enough free space in {self.directory} for {self.capacity_blocks} "
+                f"blocks ({need / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free)"
+            )
+
+    def _open_slabs(self, direct_io: bool | None, fresh: bool) -> None:
+        flags = os.O_RDWR | os.O_CREAT
+        use_direct = direct_io is not False and hasattr(os, "O_DIRECT")
+        self._truncated_from: dict[int, int] = {}
+        for i in range(self._num_files()):
+            path = self._slab_path(i)
+            size = self._file_blocks(i) * self.slot_bytes
+            fd = os.open(path, flags | (os.O_TRUNC if fresh else 0), 0o644)
+            try:
+                have = os.fstat(fd).st_size
+                if have < size:
+                    if not fresh:
+                        # Slots past the end were lost; their entries are dropped on load.
+                        self._truncated_from[i] = have // self.slot_bytes
+                    self._preallocate(fd, have, size)
+            finally:
+                os.close(fd)
+        self.direct_io = False
+        if use_direct:
+            self.direct_io = self._probe_direct()
+            if direct_io and not self.direct_io:
+                raise DiskStoreError(
+                    f"O_DIRECT was required but the filesystem of {self.directory} refuses it"
+                )
+        extra = os.O_DIRECT if self.direct_io else 0
+        self._fds = [
+            os.open(self._slab_path(i), os.O_RDWR | extra) for i in range(self._num_files())
+        ]
+
+    def _preallocate(self, fd: int, have: int, size: int) -> None:
+        try:
+            os.posix_fallocate(fd, have, size - have)
+        except OSError as e:
+            if e.errno == 28:  # ENOSPC
+                raise DiskStoreError(
+                    f"not enough free space in {self.directory} for the disk tier's slabs"
+                ) from e
+            # Filesystems without fallocate get a sparse file.
+            os.ftruncate(fd, size)
+
+    def _probe_direct(self) -> bool:
+        try:
+            fd = os.open(self._slab_path(0), os.O_RDWR | os.O_DIRECT)
+        except OSError:
+            return False
+        try:
+            buf = aligned_empty(ALIGN)
+            return os.preadv(fd, [buf], 0) == ALIGN
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
+    def _load_index(self) -> None:
+        assert self._index is not None
+        entries, bad = self._index.replay()
+        dropped = 0
+        for slot in list(entries):
+            f, local = divmod(slot, self.blocks_per_file)
+            if slot >= self.capacity_blocks or local >= self._truncated_from.get(f, 1 << 62):
+                del entries[slot]
+                dropped += 1
+        by_key: dict[bytes, DiskEntry] = {}
+        for e in sorted(entries.values(), key=lambda e: e.seq):
+            old = by_key.get(e.key)
+            if old is not None:
+                # A key rewritten to another slot: the newest write wins.
+                del entries[old.slot]
+            by_key[e.key] = e
+        self._by_slot = entries
+        self._by_key = by_key
+        self._next_seq = max((e.seq for e in entries.values()), default=0) + 1
+        if bad or dropped:
+            logger.warning(
+                "disk tier %s: skipped %d damaged index records, dropped %d entries of "
+                "truncated slabs",
+                self.directory,
+                bad,
+                dropped,
+            )
+        if bad or dropped or self._index.num_records > 2 * len(entries) + 1024:
+            self._index.rewrite(sorted(entries.values(), key=lambda e: e.seq))
+
+    # -- index --------------------------------------------------------------
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_key)
+
+    def entries(self) -> list[DiskEntry]:
+        """Every stored block, oldest write first (the order to rebuild recency in)."""
+        with self._lock:
+            return sorted(self._by_key.values(), key=lambda e: e.seq)
+
+    def contains(self, key: bytes, slot: int | None = None) -> bool:
+        with self._lock:
+            e = self._by_key.get(bytes(key))
+        return e is not None and (slot is None or e.slot == slot)
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            return [bytes(k) in self._by_key for k in keys]
+
+    def slot_of(self, key: bytes) -> int | None:
+        with self._lock:
+            e = self._by_key.get(bytes(key))
+        return None if e is None else e.slot
+
+    def remove(self, keys: Iterable[bytes]) -> int:
+        """Forget ``keys`` (their slots become free to overwrite); returns how many were known."""
+        with self._lock:
+            records = []
+            for k in keys:
+                e = self._by_key.pop(bytes(k), None)
+                if e is not None:
+                    del self._by_slot[e.slot]
+                    records.append(_record(_OP_DEL, e.slot))
+            self._append(records)
+            return len(records)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_key.clear()
+            self._by_slot.clear()
+            assert self._index is not None
+            self._index.rewrite([])
+
+    def _append(self, records: list[bytes]) -> None:
+        """Append index records; the caller holds ``_lock``."""
+        index = self._index
+        assert index is not None
+        index.append(records)
+        if index.num_records > 2 * len(self._by_slot) + 1024 + self.capacity_blocks:
+            index.rewrite(sorted(self._by_slot.values(), key=lambda e: e.seq))
+
+    def _drop_if_current(self, entry: DiskEntry) -> None:
+        """Drop ``entry`` unless it was replaced meanwhile; the caller holds ``_lock``."""
+        if self._by_slot.get(entry.slot) is entry:
+            del self._by_slot[entry.slot]
+            del self._by_key[entry.key]
+            self._append([_record(_OP_DEL, entry.slot)])
+
+    # -- I/O plumbing -------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DiskStoreError(f"disk tier {self.directory} is closed")
+
+    def _bounce(self, nbytes: int) -> np.ndarray:
+        buf: np.ndarray | None = getattr(self._tls, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            buf = aligned_empty(_round_up(nbytes, ALIGN))
+            self._tls.buf = buf
+        return buf[:nbytes]
+
+    def _scratch_pad(self) -> np.ndarray:
+        pad: np.ndarray | None = getattr(self._tls, "pad", None)
+        if pad is None:
+            pad = np.empty(self.slot_bytes - self.block_bytes, dtype=np.uint8)
+            self._tls.pad = pad
+        return pad
+
+    def _runs(self, slots: Sequence[int]) -> list[list[int]]:
+        """Indices into ``slots`` grouped into runs of consecutive slots in one file."""
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        max_run = max(1, min(_MAX_RUN_IOV, _MAX_RUN_BYTES // self.slot_bytes))
+        runs: list[list[int]] = []
+        bpf = self.blocks_per_file
+        for i in order:
+            s = slots[i]
+            if runs:
+                last = runs[-1]
+                prev = slots[last[-1]]
+                if s == prev + 1 and s // bpf == prev // bpf and len(last) < max_run:
+                    last.append(i)
+                    continue
+            runs.append([i])
+        return runs
+
+    def _direct_ok(self, views: Sequence[np.ndarray]) -> bool:
+        if self.slot_bytes != self.block_bytes:
+            return False
+        return all(address_of(v) % ALIGN == 0 for v in views)
+
+    def _write_run(self, slot0: int, views: list[np.ndarray]) -> None:
+        f, local = divmod(slot0, self.blocks_per_file)
+        fd, offset = self._fds[f], local * self.slot_bytes
+        iov: list[Any]
+        if self.direct_io and not self._direct_ok(views):
+            buf = self._bounce(len(views) * self.slot_bytes)
+            rows = buf.reshape(len(views), self.slot_bytes)
+            for row, v in zip(rows, views):
+                row[: self.block_bytes] = v
+                row[self.block_bytes :] = 0
+            iov = [buf]
+        elif self.slot_bytes != self.block_bytes:
+            iov = [x for v in views for x in (v, self._pad)]
+        else:
+            iov = list(views)
+        _write_all(fd, iov, offset)
+
+    def _read_run(self, slot0: int, views: list[np.ndarray]) -> int:
+        """Read consecutive slots into ``views``; returns how many blocks were read whole."""
+        f, local = divmod(slot0, self.blocks_per_file)
+        fd, offset = self._fds[f], local * self.slot_bytes
+        n = len(views)
+        if self.direct_io and not self._direct_ok(views):
+            buf = self._bounce(n * self.slot_bytes)
+            got = _read_all(fd, [buf], offset)
+            rows = buf.reshape(n, self.slot_bytes)
+            whole = min(n, got // self.slot_bytes)
+            for row, v in zip(rows[:whole], views):
+                v[:] = row[: self.block_bytes]
+            return whole
+        if self.slot_bytes != self.block_bytes:
+            pad = self._scratch_pad()
+            got = _read_all(fd, [x for v in views for x in (v, pad)], offset)
+            # The last block needs its bytes, not its padding.
+            whole = got // self.slot_bytes
+            if whole < n and got - whole * self.slot_bytes >= self.block_bytes:
+                whole += 1
+            return whole
+        got = _read_all(fd, list(views), offset)
+        return got // self.slot_bytes
+
+    def _fan_out(self, work: list[Any], fn: Any, nbytes: int) -> list[Any]:
+        if len(work) <= 1 or nbytes < _INLINE_BYTES:
+            return [fn(w) for w in work]
+        futures = [self._pool.submit(fn, w) for w in work]
+        return [fut.result() for fut in futures]
+
+    # -- batch writes -------------------------------------------------------
+
+    def put(self, keys: Sequence[bytes], blocks: BlockBuffers, slots: Sequence[int]) -> list[bool]:
+        """Write ``blocks[i]`` as ``keys[i]`` at ``slots[i]``; per block, whether it was stored.
+
+        Whatever ``slots[i]`` held before is dropped, and so is any other slot
+        holding ``keys[i]``. A failed write (I/O error) leaves the slot empty.
+        """
+        self._check_open()
+        keys = [bytes(k) for k in keys]
+        slots = [int(s) for s in slots]
+        n = len(keys)
+        if len(slots) != n:
+            raise ValueError(f"{n} keys but {len(slots)} slots")
+        if len(set(slots)) != n:
+            raise ValueError("slots of one put must be distinct")
+        for k in keys:
+            if len(k) > MAX_KEY_BYTES:
+                raise ValueError(f"keys have at most {MAX_KEY_BYTES} bytes, got {len(k)}")
+        for s in slots:
+            if not 0 <= s < self.capacity_blocks:
+                raise ValueError(f"slot {s} out of range [0, {self.capacity_blocks})")
+        views = as_block_views(blocks, n, self.block_bytes)
+        if n == 0:
+            return []
+        checksums = [xxhash.xxh3_64_intdigest(v) for v in views]
+        with self._lock:
+            records = []
+            for k, s in zip(keys, slots):
+                for old in (self._by_slot.pop(s, None), self._by_key.pop(k, None)):
+                    if old is not None:
+                        self._by_slot.pop(old.slot, None)
+                        self._by_key.pop(old.key, None)
+                        if old.slot != s:
+                            records.append(_record(_OP_DEL, old.slot))
+            self._append(records)
+
+        def write(run: list[int]) -> bool:
+            try:
+                self._write_run(slots[run[0]], [views[i] for i in run])
+                return True
+            except OSError as e:
+                logger.warning("disk tier %s: write failed: %s", self.directory, e)
+                return False
+
+        runs = self._runs(slots)
+        ok_runs = self._fan_out(runs, write, n * self.slot_bytes)
+        ok = [False] * n
+        for run, good in zip(runs, ok_runs):
+            for i in run:
+                ok[i] = good
+        if self.durable:
+            for fd in self._fds:
+                os.fdatasync(fd)
+        with self._lock:
+            records = []
+            for i in range(n):
+                if not ok[i]:
+                    continue
+                k, s = keys[i], slots[i]
+                if s in self._by_slot or k in self._by_key:
+                    # A concurrent put claimed the slot or key: its write wins.
+                    ok[i] = False
+                    continue
+                e = DiskEntry(k, s, checksums[i], self._next_seq)
+                self._next_seq += 1
+                self._by_slot[s] = e
+                self._by_key[k] = e
+                records.append(_record(_OP_PUT, s, e.seq, e.checksum, k))
+            self._append(records)
+            self.stats.blocks_written += len(records)
+            self.stats.write_errors += n - len(records)
+        return ok
+
+    # -- batch reads --------------------------------------------------------
+
+    def get_into(
+        self,
+        keys: Sequence[bytes],
+        out: BlockBuffers,
+        slots: Sequence[int] | None = None,
+    ) -> list[bool]:
+        """Read ``keys[i]`` into ``out[i]``; per block, whether it is a verified hit.
+
+        With ``slots``, a key stored at another slot is a miss. A block whose
+        checksum fails or that lies past the end of a truncated slab is a miss
+        and its entry is dropped. ``out[i]`` holds garbage on a miss.
+        """
+        self._check_open()
+        keys = [bytes(k) for k in keys]
+        n = len(keys)
+        if slots is not None and len(slots) != n:
+            raise ValueError(f"{n} keys but {len(slots)} slots")
+        views = as_block_views(out, n, self.block_bytes, writable=True)
+        hit = [False] * n
+        found: list[int] = []
+        entries: list[DiskEntry | None] = [None] * n
+        with self._lock:
+            for i, k in enumerate(keys):
+                e = self._by_key.get(k)
+                if e is not None and (slots is None or e.slot == int(slots[i])):
+                    entries[i] = e
+                    found.append(i)
+        if not found:
+            self.stats.misses += n
+            return hit
+        found_slots = [entries[i].slot for i in found]  # type: ignore[union-attr]
+        if len(set(found_slots)) != len(found_slots):
+            raise ValueError("keys of one get must be distinct")
+        runs = self._runs(found_slots)
+
+        def read(run: list[int]) -> tuple[list[int], int, str]:
+            idx = [found[j] for j in run]
+            try:
+                return idx, self._read_run(found_slots[run[0]], [views[i] for i in idx]), ""
+            except OSError as e:
+                return idx, 0, str(e)
+
+        bad: list[tuple[DiskEntry, str]] = []
+        for idx, whole, err in self._fan_out(runs, read, len(found) * self.slot_bytes):
+            for pos, i in enumerate(idx):
+                e = entries[i]
+                assert e is not None
+                if pos >= whole:
+                    bad.append((e, err or "truncated"))
+                elif xxhash.xxh3_64_intdigest(views[i]) != e.checksum:
+                    bad.append((e, "checksum mismatch"))
+                else:
+                    hit[i] = True
+        with self._lock:
+            for e, why in bad:
+                if why == "checksum mismatch":
+                    self.stats.corrupt_blocks += 1
+                elif why == "truncated":
+                    self.stats.truncated_blocks += 1
+                self._drop_if_current(e)
+            self.stats.blocks_read += sum(hit)
+            self.stats.misses += n - sum(hit)
+        if bad:
+            logger.warning(
+                "disk tier %s: dropped %d unreadable blocks (%s)",
+                self.directory,
+                len(bad),
+                ", ".join(sorted({why for _, why in bad})),
+            )
+        return hit
+
+    def get(
+        self, keys: Sequence[bytes], slots: Sequence[int] | None = None
+    ) -> list[np.ndarray | None]:
+        """Like ``get_into`` into fresh arrays; None for a miss."""
+        out = np.empty((len(keys), self.block_bytes), dtype=np.uint8)
+        hit = self.get_into(keys, out, slots)
+        return [out[i] if h else None for i, h in enumerate(hit)]
+
+    # -- closing ------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Make everything written so far durable (data, then index)."""
+        for fd in self._fds:
+            os.fdatasync(fd)
+        with self._lock:
+            if self._index is not None:
+                self._index.sync()
+
+    def _release(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+        if self._index is not None:
+            self._index.close()
+            self._index = None
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # also drops the flock
+            self._lock_fd = -1
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        try:
+            self.flush()
+        finally:
+            self._release()
+
+    def __enter__(self) -> DiskBlockStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"DiskBlockStore({str(self.directory)!r}, block_bytes={self.block_bytes}, "
+            f"capacity_blocks={self.capacity_blocks}, direct_io={self.direct_io})"
+        )
