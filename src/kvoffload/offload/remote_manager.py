@@ -1,0 +1,170 @@
+"""The remote tier's manager: a shared server holds the blocks; the server is the truth.
+
+Other engines store into the same namespace and the server evicts on its own
+(max-memory, TTL), so a local index would be stale by design. Instead every
+question about presence goes to the server through ``exists_fn`` (one
+pipelined round trip per call, answered at once with "absent" during an
+outage). Locally there are only the in-flight stores (not loadable yet) and
+load pins (kept for the contract: the server may still evict a pinned block,
+in which case the load fails and the engine recomputes).
+
+Events: a successful store is announced (``REMOTE``); a key this manager
+announced and later finds missing is announced as removed. Announced keys are
+remembered up to ``max_announced`` (least recently seen forgotten first).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+
+from kvoffload.offload.base import OffloadingEvent, OffloadKey, PrepareStoreOutput
+from kvoffload.offload.lower_tier import REMOTE_MEDIUM, LowerTierManager, RemoteLoadStoreSpec
+
+ExistsFn = Callable[[Sequence[bytes]], list[bool]]
+AvailableFn = Callable[[], bool]
+
+#: Nominal capacity: the server's memory, not known here.
+UNBOUNDED_BLOCKS = 1 << 40
+
+
+class RemoteOffloadingManager(LowerTierManager):
+    """Presence by asking the server; stores never evict (the server does).
+
+    ``exists_fn(keys)``: whether each key is on the server now
+    (``RedisBlockStore.contains_many``). ``available_fn()``: False during an
+    outage (``RedisBlockStore.available``); stores are then skipped
+    (``keys_to_store`` empty) instead of queued to fail.
+    """
+
+    answers_locally = False
+
+    def __init__(
+        self,
+        exists_fn: ExistsFn,
+        available_fn: AvailableFn | None = None,
+        enable_events: bool = False,
+        max_announced: int = 1 << 16,
+    ) -> None:
+        if max_announced < 0:
+            raise ValueError(f"max_announced must be >= 0, got {max_announced}")
+        self._exists = exists_fn
+        self._available = available_fn
+        self.enable_events = enable_events
+        self.max_announced = max_announced
+        self._storing: set[OffloadKey] = set()
+        self._refs: dict[OffloadKey, int] = {}
+        self._announced: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._events: list[OffloadingEvent] = []
+
+    @property
+    def medium(self) -> str:
+        return REMOTE_MEDIUM
+
+    @property
+    def num_blocks(self) -> int:
+        return UNBOUNDED_BLOCKS
+
+    def num_free_blocks(self) -> int:
+        return UNBOUNDED_BLOCKS
+
+    def num_evictable_blocks(self) -> int:
+        return 0
+
+    def ref_count(self, key: OffloadKey) -> int:
+        return self._refs.get(key, 0)
+
+    # -- presence -----------------------------------------------------------
+
+    def stored_mask(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        keys = list(keys)
+        ask = [k for k in keys if k not in self._storing]
+        answers = dict(zip(ask, self._exists(ask))) if ask else {}
+        mask = [answers.get(k, False) for k in keys]
+        gone = [k for k, there in answers.items() if not there and k in self._announced]
+        if gone:
+            for k in gone:
+                del self._announced[k]
+            if self.enable_events:
+                self._events.append(OffloadingEvent(gone, REMOTE_MEDIUM, removed=True))
+        return mask
+
+    def is_stored(self, key: OffloadKey) -> bool:
+        return self.stored_mask([key])[0]
+
+    def lookup(self, keys: Sequence[OffloadKey]) -> int:
+        n = 0
+        for there in self.stored_mask(keys):
+            if not there:
+                break
+            n += 1
+        return n
+
+    # -- loads --------------------------------------------------------------
+
+    def prepare_load(self, keys: Sequence[OffloadKey]) -> RemoteLoadStoreSpec:
+        keys = list(keys)
+        for key in keys:
+            if key in self._storing:
+                raise ValueError(f"cannot load key {key.hex()} from remote: store in flight")
+        for key in keys:
+            self._refs[key] = self._refs.get(key, 0) + 1
+        return RemoteLoadStoreSpec(keys)
+
+    def complete_load(self, keys: Sequence[OffloadKey]) -> None:
+        keys = list(keys)
+        refs = self._refs
+        for key, n in Counter(keys).items():
+            if refs.get(key, 0) < n:
+                raise ValueError(f"complete_load of key {key.hex()} that is not pinned that often")
+        for key in keys:
+            r = refs[key] - 1
+            if r:
+                refs[key] = r
+            else:
+                del refs[key]
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Nothing: the server refreshes a block's TTL when it is read."""
+
+    # -- stores -------------------------------------------------------------
+
+    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput:
+        unique = [k for k in dict.fromkeys(keys) if k not in self._storing]
+        if self._available is not None and not self._available():
+            unique = []
+        there = self._exists(unique) if unique else []
+        new = [k for k, t in zip(unique, there) if not t]
+        self._storing.update(new)
+        return PrepareStoreOutput(new, RemoteLoadStoreSpec(new), [], RemoteLoadStoreSpec([]))
+
+    def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
+        keys = list(dict.fromkeys(keys))
+        for key in keys:
+            if key not in self._storing:
+                raise ValueError(f"complete_store of key {key.hex()} that is not being stored")
+        self._storing.difference_update(keys)
+        if not success:
+            return
+        if self.max_announced:
+            ann = self._announced
+            for k in keys:
+                ann[k] = None
+                ann.move_to_end(k)
+            while len(ann) > self.max_announced:
+                ann.popitem(last=False)
+        if self.enable_events:
+            self._events.append(OffloadingEvent(keys, REMOTE_MEDIUM, removed=False))
+
+    def drop(self, keys: Sequence[OffloadKey]) -> None:
+        """Forget announcements only: the server is shared, and the store already
+        deletes values that fail verification."""
+        gone = [k for k in dict.fromkeys(keys) if k in self._announced]
+        for k in gone:
+            del self._announced[k]
+        if gone and self.enable_events:
+            self._events.append(OffloadingEvent(gone, REMOTE_MEDIUM, removed=True))
+
+    def take_events(self) -> list[OffloadingEvent]:
+        events, self._events = self._events, []
+        return events

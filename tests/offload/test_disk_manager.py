@@ -1,0 +1,136 @@
+"""DiskOffloadingManager: slots, LRU eviction, pins, restore after restart, drops, events."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvoffload.offload import OffloadingEvent
+from kvoffload.offload.disk_manager import DiskOffloadingManager
+from kvoffload.offload.lower_tier import DiskLoadStoreSpec
+from tests.offload.keyutil import key, keys
+
+
+def stored(m: DiskOffloadingManager, *ids: int) -> None:
+    out = m.prepare_store(keys(*ids))
+    assert out is not None
+    m.complete_store(out.keys_to_store)
+
+
+def test_store_then_load_gives_disk_slots_and_keys() -> None:
+    m = DiskOffloadingManager(4)
+    out = m.prepare_store(keys(1, 2))
+    assert out is not None
+    assert isinstance(out.store_spec, DiskLoadStoreSpec)
+    assert out.store_spec.block_ids.tolist() == [0, 1]
+    assert out.store_spec.keys == keys(1, 2)
+    assert m.lookup(keys(1, 2)) == 0  # not loadable while storing
+    m.complete_store(keys(1, 2))
+    assert m.lookup(keys(1, 2, 3)) == 2
+    spec = m.prepare_load(keys(2, 1))
+    assert spec == DiskLoadStoreSpec([1, 0], keys(2, 1))
+    assert spec.medium() == "DISK"
+    m.complete_load(keys(2, 1))
+
+
+def test_lru_eviction_tail_first_and_victim_spec() -> None:
+    m = DiskOffloadingManager(3)
+    stored(m, 1, 2, 3)  # one chain: 3 is its tail, evicted first
+    out = m.prepare_store(keys(9))
+    assert out is not None
+    assert out.evicted_keys == keys(3)
+    assert out.evicted_spec == DiskLoadStoreSpec([2], keys(3))
+    assert out.store_spec.block_ids.tolist() == [2]  # type: ignore[attr-defined]
+    m.complete_store(keys(9))
+    m.touch(keys(1))  # 2 is now the least recently used
+    out = m.prepare_store(keys(10))
+    assert out is not None and out.evicted_keys == keys(2)
+
+
+def test_pinned_and_storing_keys_are_never_evicted() -> None:
+    m = DiskOffloadingManager(2)
+    stored(m, 1, 2)
+    m.prepare_load(keys(1, 2))
+    assert m.prepare_store(keys(5)) is None
+    m.complete_load(keys(1))
+    out = m.prepare_store(keys(5))
+    assert out is not None and out.evicted_keys == keys(1)
+    assert m.prepare_store(keys(6)) is None  # 2 pinned, 5 storing
+    m.complete_load(keys(2))
+
+
+def test_store_keeps_stored_keys_of_the_same_call() -> None:
+    m = DiskOffloadingManager(2)
+    stored(m, 1, 2)
+    out = m.prepare_store(keys(1, 7))
+    assert out is not None
+    assert out.keys_to_store == keys(7) and out.evicted_keys == keys(2)
+
+
+def test_failed_store_frees_the_slots() -> None:
+    m = DiskOffloadingManager(2)
+    out = m.prepare_store(keys(1, 2))
+    assert out is not None
+    m.complete_store(keys(1, 2), success=False)
+    assert m.num_free_blocks() == 2 and m.lookup(keys(1)) == 0
+
+
+def test_misuse_is_an_error() -> None:
+    m = DiskOffloadingManager(2)
+    with pytest.raises(ValueError, match="not stored"):
+        m.prepare_load(keys(1))
+    with pytest.raises(ValueError, match="not being stored"):
+        m.complete_store(keys(1))
+    with pytest.raises(ValueError, match="not pinned"):
+        m.complete_load(keys(1))
+    with pytest.raises(ValueError, match="positive"):
+        DiskOffloadingManager(0)
+
+
+def test_restore_entries_after_a_restart() -> None:
+    m = DiskOffloadingManager(4, enable_events=True, restored=[(key(5), 3), (key(6), 0)])
+    assert m.lookup(keys(5, 6)) == 2
+    assert m.prepare_load(keys(5)).block_ids.tolist() == [3]
+    m.complete_load(keys(5))
+    assert m.take_events() == [OffloadingEvent(keys(5, 6), "DISK", removed=False)]
+    out = m.prepare_store(keys(1, 2))
+    assert out is not None and sorted(out.store_spec.block_ids.tolist()) == [1, 2]  # type: ignore[attr-defined]
+    m.complete_store(keys(1, 2))
+    out = m.prepare_store(keys(3))
+    assert out is not None and out.evicted_keys == keys(6)  # the oldest restored entry
+
+
+@pytest.mark.parametrize(
+    "restored", [[(key(1), 4)], [(key(1), 0), (key(2), 0)], [(key(1), 0), (key(1), 1)]]
+)
+def test_bad_restore_entries(restored: list[tuple[bytes, int]]) -> None:
+    with pytest.raises(ValueError):
+        DiskOffloadingManager(4, restored=restored)  # type: ignore[arg-type]
+
+
+def test_drop_unpinned_now_pinned_later() -> None:
+    m = DiskOffloadingManager(3, enable_events=True)
+    stored(m, 1, 2)
+    m.take_events()
+    m.prepare_load(keys(2))
+    m.drop(keys(1, 2, 99))
+    assert m.lookup(keys(1)) == 0 and not m.is_stored(key(2))
+    assert m.take_events() == [OffloadingEvent(keys(1), "DISK", removed=True)]
+    assert m.num_free_blocks() == 2
+    m.complete_load(keys(2))
+    assert m.take_events() == [OffloadingEvent(keys(2), "DISK", removed=True)]
+    assert m.num_free_blocks() == 3
+
+
+def test_events_in_order() -> None:
+    m = DiskOffloadingManager(1, enable_events=True)
+    stored(m, 1)
+    stored(m, 2)
+    assert m.take_events() == [
+        OffloadingEvent(keys(1), "DISK", removed=False),
+        OffloadingEvent(keys(1), "DISK", removed=True),
+        OffloadingEvent(keys(2), "DISK", removed=False),
+    ]
+    assert m.take_events() == []
+    quiet = DiskOffloadingManager(1)
+    stored(quiet, 1)
+    assert quiet.take_events() == []
