@@ -1,0 +1,274 @@
+"""Batched row copies between block planes: ``dst[dst_rows[i]] = src[src_rows[i]]``.
+
+Planes are ``[num_rows, row_bytes]`` uint8 views (``KVLayout.block_planes``),
+the same number on both sides with equal row sizes. A copy touches every
+plane pair with the same row pairs.
+
+The difficulty is that torch has no single-pass "gather from here, scatter to
+there" op: ``dst.index_copy_(0, d, src.index_select(0, s))`` reads and writes
+every byte twice. Single-pass alternatives exist whenever one side is
+consecutive, so the rows are grouped first:
+
+``runs``
+    maximal runs where source *and* destination rows both advance by one;
+    each run is one slice copy, all issued in one ``torch._foreach_copy_`` call
+    (its loop is in C++). Best when runs are long or rows are big.
+``dst_runs``
+    runs of consecutive destination rows; each is one ``index_select`` from
+    the source straight into the destination slice (``out=``).
+``src_runs``
+    runs of consecutive source rows; each is one ``index_copy_`` of a source
+    slice into the destination.
+``staged``
+    gather into a temporary, then scatter: two passes, one pair of calls per
+    plane, for many tiny scattered rows where per-call overhead dominates.
+
+Across devices (GPU <-> host) the index ops run on the device side only and
+every host-side access is a slice, so host memory is only touched by DMA
+copies: a store may use ``runs`` or ``dst_runs``, a load ``runs`` or
+``src_runs``; ``staged`` is same-device only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvoffload.transfer.layout import KVLayout
+
+STRATEGIES: tuple[str, ...] = ("runs", "dst_runs", "src_runs", "staged")
+
+# Rough per-call costs in seconds, used only to rank strategies against each
+# other; one extra pass over the bytes is costed at _PASS_SECONDS_PER_BYTE.
+_RUN_COPY_CALL = 2.5e-6
+_INDEX_CALL = 7e-6
+_PASS_SECONDS_PER_BYTE = 1 / 10e9
+# index_copy_ runs element by element, slower than the memcpy rows of
+# index_select: costed as this fraction of an extra pass.
+_SCATTER_PENALTY = 0.3
+
+
+def _runs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Start positions of maximal runs where ``a`` and ``b`` both step by +1."""
+    if a.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    breaks = (np.diff(a) != 1) | (np.diff(b) != 1)
+    return np.concatenate(([0], np.flatnonzero(breaks) + 1))
+
+
+def _single_runs(a: np.ndarray) -> np.ndarray:
+    if a.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate(([0], np.flatnonzero(np.diff(a) != 1) + 1))
+
+
+@dataclass(frozen=True)
+class RowPairs:
+    """Row pairs ordered by destination row, with run boundaries precomputed.
+
+    ``dst_rows`` must be distinct (a destination written twice would depend
+    on copy order); ``src_rows`` may repeat.
+    """
+
+    src_rows: np.ndarray  # sorted by dst
+    dst_rows: np.ndarray  # ascending
+    run_starts: np.ndarray  # into the dst-sorted arrays: both sides consecutive
+    dst_run_starts: np.ndarray  # into the dst-sorted arrays: dst consecutive
+    by_src: np.ndarray  # permutation putting the pairs in src order
+    src_run_starts: np.ndarray  # into the src-sorted arrays: src consecutive
+
+    @classmethod
+    def build(cls, src_rows: np.ndarray, dst_rows: np.ndarray) -> RowPairs:
+        src = np.asarray(src_rows, dtype=np.int64)
+        dst = np.asarray(dst_rows, dtype=np.int64)
+        if src.shape != dst.shape or src.ndim != 1:
+            raise ValueError(f"row pairs need equal 1-D shapes, got {src.shape} and {dst.shape}")
+        order = np.argsort(dst, kind="stable")
+        src, dst = src[order], dst[order]
+        if dst.size > 1 and not np.all(np.diff(dst) > 0):
+            dup = int(dst[np.flatnonzero(np.diff(dst) == 0)[0]])
+            raise ValueError(f"destination block {dup} appears more than once")
+        by_src = np.argsort(src, kind="stable")
+        return cls(
+            src_rows=src,
+            dst_rows=dst,
+            run_starts=_runs(src, dst),
+            dst_run_starts=_single_runs(dst),
+            by_src=by_src,
+            src_run_starts=_single_runs(src[by_src]),
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.dst_rows.size)
+
+    def slice(self, start: int, stop: int) -> RowPairs:
+        """The pairs ``start:stop`` in destination order, as their own ``RowPairs``."""
+        return RowPairs.build(self.src_rows[start:stop], self.dst_rows[start:stop])
+
+
+class GroupPairs:
+    """Matching ``[planes, blocks, row]`` groups of a source and a destination tensor set.
+
+    Built once per tensor pair (views are cheap but not free). Two widths are
+    kept because torch's kernels differ: ``copy_`` and ``index_select`` move
+    whole rows with memcpy and split work across threads by element count,
+    so byte elements (``narrow``) parallelise even moderate rows, while
+    ``index_copy_`` runs element by element and wants the widest integer
+    (``wide``). Both sides are fused into one group only when both can be.
+    """
+
+    def __init__(
+        self, layout: KVLayout, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]
+    ) -> None:
+        width = math.gcd(layout.view_width(src), layout.view_width(dst))
+        self.narrow = self._pairs(layout, src, dst, 1)
+        self.wide = self._pairs(layout, src, dst, width)
+        self.src_device = self.narrow[0][0].device
+        self.dst_device = self.narrow[0][1].device
+        self.row_bytes = layout.plane_row_bytes
+        self.bytes_per_block = layout.bytes_per_block
+
+    @staticmethod
+    def _pairs(
+        layout: KVLayout, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], width: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        sg = layout.block_groups(src, width)
+        dg = layout.block_groups(dst, width)
+        if len(sg) != len(dg):
+            sg = layout.block_groups(src, width, fuse=False)
+            dg = layout.block_groups(dst, width, fuse=False)
+        return list(zip(sg, dg))
+
+    @property
+    def cross_device(self) -> str | None:
+        """None on one device; "store" when the destination is host memory, else "load"."""
+        if self.src_device == self.dst_device:
+            return None
+        return "store" if self.dst_device.type == "cpu" else "load"
+
+
+_ALLOWED: dict[str | None, tuple[str, ...]] = {
+    None: STRATEGIES,
+    "store": ("runs", "dst_runs"),
+    "load": ("runs", "src_runs"),
+}
+
+
+def choose_strategy(pairs: RowPairs, groups: GroupPairs) -> str:
+    """The cheapest allowed strategy by a crude model: calls x call cost + extra passes."""
+    num_groups = len(groups.narrow)
+    nbytes = pairs.num_rows * groups.bytes_per_block
+    costs = {
+        "runs": len(pairs.run_starts) * num_groups * _RUN_COPY_CALL,
+        "dst_runs": len(pairs.dst_run_starts) * num_groups * _INDEX_CALL,
+        "src_runs": len(pairs.src_run_starts) * num_groups * _INDEX_CALL
+        + nbytes * _SCATTER_PENALTY * _PASS_SECONDS_PER_BYTE,
+        "staged": num_groups * 2 * _INDEX_CALL
+        + nbytes * (1 + _SCATTER_PENALTY) * _PASS_SECONDS_PER_BYTE,
+    }
+    return min(_ALLOWED[groups.cross_device], key=lambda s: costs[s])
+
+
+def _segments(starts: np.ndarray, n: int) -> list[tuple[int, int]]:
+    ends = np.append(starts[1:], n)
+    return list(zip(starts.tolist(), ends.tolist()))
+
+
+def _rows(g: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    # A single-plane group is used as a plain 2-D [blocks, row] tensor so that
+    # slices stay contiguous and index ops take their dim-0 memcpy paths.
+    return g[0, start : start + count] if g.shape[0] == 1 else g[:, start : start + count]
+
+
+def _select(g: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    if g.shape[0] == 1:
+        return torch.index_select(g[0], 0, idx, out=out) if out is not None else g[0][idx]
+    return torch.index_select(g, 1, idx, out=out) if out is not None else g.index_select(1, idx)
+
+
+def _scatter(g: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
+    if g.shape[0] == 1:
+        g[0].index_copy_(0, idx, values)
+    else:
+        g.index_copy_(1, idx, values)
+
+
+def copy_rows(
+    groups: GroupPairs,
+    pairs: RowPairs,
+    strategy: str | None = None,
+    non_blocking: bool = False,
+) -> str:
+    """Copy ``pairs`` across every (source, destination) group; returns the strategy used.
+
+    Rows must be in range (the caller validates ids, this function trusts
+    them). With ``non_blocking`` cross-device copies are only enqueued on the
+    current stream; the caller records an event after.
+    """
+    n = pairs.num_rows
+    if n == 0:
+        return "runs"
+    cross = groups.cross_device
+    if strategy is None:
+        strategy = choose_strategy(pairs, groups)
+    elif strategy not in STRATEGIES:
+        raise ValueError(f"unknown copy strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
+    if strategy not in _ALLOWED[cross]:
+        raise ValueError(f"strategy {strategy!r} cannot be used for a cross-device {cross}")
+
+    s, d = pairs.src_rows, pairs.dst_rows
+    if strategy == "runs":
+        starts = pairs.run_starts
+        lengths = np.diff(np.append(starts, n)).tolist()
+        s_starts, d_starts = s[starts].tolist(), d[starts].tolist()
+        srcs: list[torch.Tensor] = []
+        dsts: list[torch.Tensor] = []
+        # Tight comprehensions: building the views is the per-run Python cost.
+        for sg, dg in groups.narrow:
+            if sg.shape[0] == 1:
+                s2, d2 = sg[0], dg[0]
+                srcs += [s2[a : a + k] for a, k in zip(s_starts, lengths)]
+                dsts += [d2[a : a + k] for a, k in zip(d_starts, lengths)]
+            else:
+                srcs += [sg[:, a : a + k] for a, k in zip(s_starts, lengths)]
+                dsts += [dg[:, a : a + k] for a, k in zip(d_starts, lengths)]
+        _foreach_copy(dsts, srcs, non_blocking)
+    elif strategy == "dst_runs":
+        idx = torch.from_numpy(s).to(groups.src_device)
+        for a, b in _segments(pairs.dst_run_starts, n):
+            d0, k = int(d[a]), b - a
+            for sg, dg in groups.narrow:
+                if cross is None:
+                    _select(sg, idx[a:b], out=_rows(dg, d0, k))
+                else:
+                    _rows(dg, d0, k).copy_(_select(sg, idx[a:b]), non_blocking=non_blocking)
+    elif strategy == "src_runs":
+        s_sorted = s[pairs.by_src]
+        idx = torch.from_numpy(d[pairs.by_src]).to(groups.dst_device)
+        for a, b in _segments(pairs.src_run_starts, n):
+            s0, k = int(s_sorted[a]), b - a
+            for sg, dg in groups.wide:
+                chunk = _rows(sg, s0, k)
+                if cross is not None:
+                    chunk = chunk.to(groups.dst_device, non_blocking=non_blocking)
+                _scatter(dg, idx[a:b], chunk)
+    else:  # staged
+        sidx = torch.from_numpy(s)
+        didx = torch.from_numpy(d)
+        for sg, dg in groups.wide:
+            _scatter(dg, didx, _select(sg, sidx))
+    return strategy
+
+
+def _foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool) -> None:
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        foreach(dsts, srcs, non_blocking=non_blocking)
+        return
+    for dt, st in zip(dsts, srcs):  # torch builds without the fused list op
+        dt.copy_(st, non_blocking=non_blocking)

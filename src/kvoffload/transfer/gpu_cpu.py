@@ -1,0 +1,150 @@
+"""GPU <-> CPU block jobs: validating a spec and turning it into row copies.
+
+A store copies GPU blocks into CPU slots, a load the reverse. With a
+``block_size_factor`` f a slot is f sub-blocks, so a store names exactly
+``len(slots) * f`` GPU blocks; a load may name fewer, down to
+``(len(slots) - 1) * f + 1``: the leading sub-blocks of the first slot are
+then skipped (the GPU already holds that part of the prefix), as in vLLM.
+
+Everything about a job is checked before any byte moves, so a rejected job
+writes nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvoffload.offload.base import BlockIDsLoadStoreSpec
+from kvoffload.transfer.copy_plan import GroupPairs, RowPairs, copy_rows
+from kvoffload.transfer.handler import ThreadPoolTransferHandler, Work
+from kvoffload.transfer.host_pool import HostPool
+from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.spec import TransferSpec
+
+GPU, CPU = "GPU", "CPU"
+# Jobs at least this big are split into one shard per pool thread, so that
+# one big job uses every thread; smaller ones are not worth the hand-offs.
+SHARD_MIN_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class BlockCopyJob:
+    """A validated job: which groups to copy and the row pairs, ready for ``copy_rows``."""
+
+    direction: str  # "store" (GPU -> CPU) or "load" (CPU -> GPU)
+    groups: GroupPairs
+    pairs: RowPairs
+    num_bytes: int
+
+
+class GpuCpuJobPlanner:
+    """Checks GPU<->CPU specs against one engine's KV tensors and one host pool.
+
+    The host pool must use the same layout (kind and geometry) as the GPU
+    tensors: copies pair their planes one to one.
+    """
+
+    def __init__(
+        self, gpu_tensors: Sequence[torch.Tensor], layout: KVLayout, host_pool: HostPool
+    ) -> None:
+        if host_pool.layout != layout:
+            raise ValueError(f"host pool layout {host_pool.layout!r} differs from {layout!r}")
+        self.layout = layout
+        self.host_pool = host_pool
+        self.gpu_tensors = list(gpu_tensors)
+        self.num_gpu_blocks = layout.num_blocks_of(self.gpu_tensors)
+        self.device = self.gpu_tensors[0].device
+        self.store_groups = GroupPairs(layout, self.gpu_tensors, host_pool.tensors)
+        self.load_groups = GroupPairs(layout, host_pool.tensors, self.gpu_tensors)
+
+    def _gpu_ids(self, spec: BlockIDsLoadStoreSpec) -> np.ndarray:
+        ids = np.asarray(spec.block_ids, dtype=np.int64)
+        if ids.ndim != 1:
+            raise ValueError(f"GPU block ids must be 1-D, got shape {ids.shape}")
+        bad = ids[(ids < 0) | (ids >= self.num_gpu_blocks)]
+        if bad.size:
+            raise ValueError(
+                f"GPU block id {int(bad[0])} out of range [0, {self.num_gpu_blocks})"
+                + (f" ({bad.size} bad ids)" if bad.size > 1 else "")
+            )
+        return ids
+
+    def plan(self, spec: TransferSpec) -> BlockCopyJob:
+        """The job for ``spec``; ``ValueError``/``TypeError`` says why it cannot run."""
+        src, dst = spec.src, spec.dst
+        for side in (src, dst):
+            if not isinstance(side, BlockIDsLoadStoreSpec):
+                raise TypeError(f"expected block-id specs, got {type(side).__name__}")
+        f = self.host_pool.block_size_factor
+        if spec.media == (GPU, CPU):
+            gpu = self._gpu_ids(src)
+            rows = self.host_pool.sub_block_ids(dst.block_ids)
+            if gpu.size != rows.size:
+                raise ValueError(
+                    f"store of {gpu.size} GPU blocks into {rows.size // f} CPU slots needs "
+                    f"exactly {rows.size} GPU blocks (block_size_factor={f})"
+                )
+            pairs = RowPairs.build(gpu, rows)
+            return BlockCopyJob("store", self.store_groups, pairs, self._bytes(gpu.size))
+        if spec.media == (CPU, GPU):
+            gpu = self._gpu_ids(dst)
+            rows = self.host_pool.sub_block_ids(src.block_ids)
+            skip = rows.size - gpu.size
+            if not (0 <= skip < f or rows.size == gpu.size == 0):
+                raise ValueError(
+                    f"load of {rows.size // f} CPU slots into {gpu.size} GPU blocks: expected "
+                    f"between {max(rows.size - f + 1, 0)} and {rows.size} GPU blocks "
+                    f"(block_size_factor={f})"
+                )
+            pairs = RowPairs.build(rows[skip:], gpu)
+            return BlockCopyJob("load", self.load_groups, pairs, self._bytes(gpu.size))
+        raise ValueError(f"cannot transfer {spec.media[0]} -> {spec.media[1]} (GPU<->CPU only)")
+
+    def _bytes(self, num_gpu_blocks: int) -> int:
+        return num_gpu_blocks * self.layout.bytes_per_block
+
+
+class CpuGpuTransferHandler(ThreadPoolTransferHandler):
+    """GPU<->CPU jobs run as batched copies on a small thread pool.
+
+    For GPU tensors in host memory (the CPU-only reference engine) this is
+    the whole copy path; on CUDA use ``CudaStreamTransferHandler``
+    (``make_cpu_gpu_handler`` picks). ``strategy`` forces one copy strategy
+    (tests, benchmarks); None lets ``choose_strategy`` decide per job.
+    """
+
+    def __init__(
+        self,
+        planner: GpuCpuJobPlanner,
+        num_threads: int = 2,
+        strategy: str | None = None,
+    ) -> None:
+        super().__init__(num_threads)
+        self.planner = planner
+        self.strategy = strategy
+
+    def prepare(self, job_id: int, spec: TransferSpec) -> list[Work]:
+        job = self.planner.plan(spec)
+        n = job.pairs.num_rows
+        shards = 1
+        if job.num_bytes >= SHARD_MIN_BYTES:
+            shards = min(self.num_threads, n)
+        parts: list[Work] = []
+        bounds = np.linspace(0, n, shards + 1).astype(np.int64).tolist()
+        for a, b in itertools.pairwise(bounds):
+            pairs = job.pairs if shards == 1 else job.pairs.slice(a, b)
+            nbytes = (b - a) * self.planner.layout.bytes_per_block
+            parts.append(self._part(job.groups, pairs, nbytes))
+        return parts
+
+    def _part(self, groups: GroupPairs, pairs: RowPairs, nbytes: int) -> Work:
+        def work() -> int:
+            copy_rows(groups, pairs, self.strategy)
+            return nbytes
+
+        return work
