@@ -24,6 +24,7 @@ of them).
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -102,6 +103,10 @@ class OffloadingConnectorScheduler:
         self._next_store_block: dict[str, int] = {}  # eager: next offloaded-block index
         self._in_flight_keys: set[OffloadKey] = set()
         self._meta = ConnectorMetadata()
+        # Managers with lower tiers want to know whether a load's promotions
+        # landed; the base contract's complete_load(keys) has no outcome.
+        params = inspect.signature(manager.complete_load).parameters
+        self._load_outcome = "success" in params
 
     # -- keys -----------------------------------------------------------------
 
@@ -271,7 +276,10 @@ class OffloadingConnectorScheduler:
                 else:
                     self.stats.stores_failed += 1
             else:
-                self.manager.complete_load(job.keys)
+                if self._load_outcome:
+                    self.manager.complete_load(job.keys, success=ok)  # type: ignore[call-arg]
+                else:
+                    self.manager.complete_load(job.keys)
                 if self._load_job_of.get(job.req_id) == job_id:
                     del self._load_job_of[job.req_id]
                     (loaded if ok else failed).add(job.req_id)
