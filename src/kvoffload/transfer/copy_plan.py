@@ -126,8 +126,12 @@ class GroupPairs:
         self, layout: KVLayout, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]
     ) -> None:
         width = math.gcd(layout.view_width(src), layout.view_width(dst))
-        self.narrow = self._pairs(layout, src, dst, 1)
-        self.wide = self._pairs(layout, src, dst, width)
+        # Across devices every copy must be a contiguous slice on both sides to
+        # be one asynchronous memcpy; a fused multi-plane slice is strided, and
+        # torch would stage it through pageable memory synchronously.
+        fuse = src[0].device == dst[0].device
+        self.narrow = self._pairs(layout, src, dst, 1, fuse)
+        self.wide = self._pairs(layout, src, dst, width, fuse)
         self.src_device = self.narrow[0][0].device
         self.dst_device = self.narrow[0][1].device
         self.row_bytes = layout.plane_row_bytes
@@ -135,10 +139,14 @@ class GroupPairs:
 
     @staticmethod
     def _pairs(
-        layout: KVLayout, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], width: int
+        layout: KVLayout,
+        src: Sequence[torch.Tensor],
+        dst: Sequence[torch.Tensor],
+        width: int,
+        fuse: bool,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        sg = layout.block_groups(src, width)
-        dg = layout.block_groups(dst, width)
+        sg = layout.block_groups(src, width, fuse)
+        dg = layout.block_groups(dst, width, fuse)
         if len(sg) != len(dg):
             sg = layout.block_groups(src, width, fuse=False)
             dg = layout.block_groups(dst, width, fuse=False)
@@ -239,7 +247,7 @@ def copy_rows(
                 dsts += [dg[:, a : a + k] for a, k in zip(d_starts, lengths)]
         _foreach_copy(dsts, srcs, non_blocking)
     elif strategy == "dst_runs":
-        idx = torch.from_numpy(s).to(groups.src_device)
+        idx = _index_on(groups.src_device, s)
         for a, b in _segments(pairs.dst_run_starts, n):
             d0, k = int(d[a]), b - a
             for sg, dg in groups.narrow:
@@ -249,7 +257,7 @@ def copy_rows(
                     _rows(dg, d0, k).copy_(_select(sg, idx[a:b]), non_blocking=non_blocking)
     elif strategy == "src_runs":
         s_sorted = s[pairs.by_src]
-        idx = torch.from_numpy(d[pairs.by_src]).to(groups.dst_device)
+        idx = _index_on(groups.dst_device, d[pairs.by_src])
         for a, b in _segments(pairs.src_run_starts, n):
             s0, k = int(s_sorted[a]), b - a
             for sg, dg in groups.wide:
@@ -263,6 +271,19 @@ def copy_rows(
         for sg, dg in groups.wide:
             _scatter(dg, didx, _select(sg, sidx))
     return strategy
+
+
+def _index_on(device: torch.device, rows: np.ndarray) -> torch.Tensor:
+    """``rows`` as an index tensor on ``device`` without blocking the caller.
+
+    A pageable upload would synchronise the current (transfer) stream and so
+    wait for the compute it was told to wait for; a pinned one is queued. The
+    pinned buffer is kept alive by torch's host allocator until the copy ran.
+    """
+    t = torch.from_numpy(np.ascontiguousarray(rows))
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool) -> None:
