@@ -1,0 +1,188 @@
+"""``kvoffload events``: print a KV event publisher's events live.
+
+Connects a SUB socket to ``--endpoint`` (and a replay DEALER to
+``--replay-endpoint``), prints each batch as it arrives, and on a jump in seq
+fetches the missed batches from the replay socket; what the publisher no
+longer has is reported on stderr as lost. ``--json`` prints one JSON object
+per batch (JSON Lines) with block hashes as hex.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, TextIO
+
+from kvoffload.events.subscriber import GapReport, KVEventSubscriber, ReceivedBatch
+from kvoffload.events.types import KVCacheEvent
+
+# recv() wakes at least this often, so --timeout is honoured promptly.
+_POLL_S = 0.25
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--endpoint",
+        default="tcp://127.0.0.1:5557",
+        help="the publisher's PUB endpoint (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--replay-endpoint",
+        default=None,
+        help="the publisher's ROUTER replay endpoint; without it gaps are only reported",
+    )
+    parser.add_argument(
+        "--topic", default="", help="topic prefix to subscribe to (default: every topic)"
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object per batch")
+    parser.add_argument(
+        "--max-batches", type=int, default=None, metavar="N", help="exit after N batches"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="exit after S seconds; with --max-batches, exit status 1 if fewer arrived",
+    )
+    parser.add_argument(
+        "--from-seq",
+        type=int,
+        default=None,
+        metavar="SEQ",
+        help="first replay everything buffered from SEQ on (needs --replay-endpoint)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return stream_events(args, sys.stdout, sys.stderr)
+    except BrokenPipeError:
+        # `kvoffload events | head` closing the pipe is a normal way to stop.
+        return 0
+
+
+def stream_events(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """The command's body, writing to ``out`` / ``err``; returns the exit status."""
+    max_batches: int | None = args.max_batches
+    if max_batches is not None and max_batches < 1:
+        raise ValueError(f"--max-batches must be >= 1, got {max_batches}")
+    if args.timeout is not None and args.timeout <= 0:
+        raise ValueError(f"--timeout must be > 0, got {args.timeout}")
+    if args.from_seq is not None and args.replay_endpoint is None:
+        raise ValueError("--from-seq needs --replay-endpoint")
+
+    def on_gap(report: GapReport) -> None:
+        err.write(format_gap(report) + "\n")
+        err.flush()
+
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    printed = 0
+    with KVEventSubscriber(
+        args.endpoint,
+        args.replay_endpoint,
+        args.topic,
+        start_seq=args.from_seq,
+        on_gap=on_gap,
+    ) as sub:
+        while max_batches is None or printed < max_batches:
+            wait = _POLL_S
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+                if wait <= 0:
+                    break
+            for received in sub.recv(wait):
+                out.write((format_json(received) if args.json else format_text(received)) + "\n")
+                printed += 1
+                if max_batches is not None and printed >= max_batches:
+                    break
+            out.flush()
+    if max_batches is not None and printed < max_batches:
+        return 1
+    return 0
+
+
+# -- formatting ------------------------------------------------------------------
+
+
+def _wire_value(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, list):
+        return [_wire_value(v) for v in value]
+    return value
+
+
+def _tag(event: KVCacheEvent) -> str:
+    tag = type(event).__struct_config__.tag
+    return str(tag) if tag is not None else type(event).__name__
+
+
+def event_to_dict(event: KVCacheEvent) -> dict[str, Any]:
+    """An event as JSON-able fields in wire order, its tag under ``type``."""
+    out: dict[str, Any] = {"type": _tag(event)}
+    for name in event.__struct_fields__:
+        out[name] = _wire_value(getattr(event, name))
+    return out
+
+
+def format_json(received: ReceivedBatch) -> str:
+    batch = received.batch
+    return json.dumps(
+        {
+            "seq": received.seq,
+            "ts": batch.ts,
+            "data_parallel_rank": batch.data_parallel_rank,
+            "replayed": received.replayed,
+            "events": [event_to_dict(e) for e in batch.events],
+        }
+    )
+
+
+def _short_hash(value: Any) -> str:
+    if isinstance(value, bytes):
+        return value[:8].hex()
+    return str(value)
+
+
+def _hashes(values: list[Any]) -> str:
+    shown = ",".join(_short_hash(v) for v in values[:4])
+    more = f",...+{len(values) - 4}" if len(values) > 4 else ""
+    return f"[{shown}{more}]"
+
+
+def format_event(event: KVCacheEvent) -> str:
+    parts = [_tag(event)]
+    for name in event.__struct_fields__:
+        value = getattr(event, name)
+        if name == "block_hashes":
+            parts.append(f"blocks={len(value)} {_hashes(value)}")
+        elif name == "parent_block_hash":
+            parts.append(f"parent={'-' if value is None else _short_hash(value)}")
+        elif name == "token_ids":
+            parts.append(f"tokens={len(value)}")
+        elif value is not None:
+            parts.append(f"{name}={value}")
+    return " ".join(parts)
+
+
+def format_text(received: ReceivedBatch) -> str:
+    batch = received.batch
+    stamp = time.strftime("%H:%M:%S", time.localtime(batch.ts)) + f".{int(batch.ts % 1 * 1000):03d}"
+    head = f"seq={received.seq} ts={stamp} events={len(batch.events)}"
+    if batch.data_parallel_rank is not None:
+        head += f" dp_rank={batch.data_parallel_rank}"
+    if received.replayed:
+        head += " (replayed)"
+    return "\n".join([head, *("  " + format_event(e) for e in batch.events)])
+
+
+def format_gap(report: GapReport) -> str:
+    missed = report.last - report.first + 1
+    text = f"gap: seq {report.first}..{report.last} ({missed}) missed, {report.recovered} replayed"
+    if report.lost:
+        ranges = ", ".join(f"{a}..{b}" for a, b in report.lost)
+        text += f"; lost (not in the replay buffer): {ranges}"
+    return text

@@ -1,0 +1,413 @@
+"""KV event publishers: a null one and a ZMQ one wire-compatible with vLLM's.
+
+Wire protocol (what vLLM's ``ZmqEventPublisher`` speaks, so routers written
+against it, such as llm-d and Dynamo, consume ours unchanged):
+
+* PUB socket, one multipart message per batch:
+  ``[topic, seq as 8-byte big-endian unsigned, msgpack(KVEventBatch)]``.
+* ROUTER replay socket. A client (DEALER or REQ) sends the first seq it wants
+  as 8 big-endian bytes; it gets one message ``[seq, payload]`` per buffered
+  batch with ``seq >= start`` in order, then the end marker ``[END_SEQ, b""]``
+  where ``END_SEQ`` is -1 as 8 signed big-endian bytes. On the ROUTER side the
+  frames are ``[identity, b"", ...]``; the empty delimiter is echoed only when
+  the request carried one (REQ always does, a DEALER client may).
+
+Invariants of :class:`ZmqEventPublisher`:
+
+* ``publish`` never blocks on ZMQ and never touches a socket: it stamps the
+  batch, takes the next seq and hands both to the socket thread through a
+  bounded queue. All sockets live on that one thread.
+* Seqs start at 0 and grow by one per ``publish`` call. A batch dropped because
+  the queue was full still consumes its seq, so subscribers see the loss as a
+  gap that replay cannot fill, rather than silently missing state.
+* Batches go out in seq order; the replay buffer holds the last
+  ``buffer_steps`` batches actually sent.
+* ``shutdown`` sends everything accepted before it, then closes the sockets
+  and joins the thread within a bounded time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import socket
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import zmq
+
+from kvoffload.events.types import KVEvent, KVEventBatch, encode_batch
+
+logger = logging.getLogger(__name__)
+
+#: End-of-replay marker in the seq frame: -1 as 8 signed big-endian bytes.
+END_SEQ: bytes = (-1).to_bytes(8, "big", signed=True)
+
+DEFAULT_ENDPOINT = "tcp://*:5557"
+DEFAULT_BUFFER_STEPS = 10_000
+DEFAULT_HWM = 100_000
+DEFAULT_MAX_QUEUE_SIZE = 100_000
+
+# How many queued batches the socket thread sends before it looks at the replay
+# socket again, so that a backlog does not starve replay clients.
+_SEND_CHUNK = 256
+
+
+def seq_to_bytes(seq: int) -> bytes:
+    return seq.to_bytes(8, "big")
+
+
+def seq_from_bytes(data: bytes) -> int:
+    return int.from_bytes(data, "big")
+
+
+class EventPublisher(ABC):
+    """Takes one batch of KV events per engine step and ships it somewhere."""
+
+    @abstractmethod
+    def publish(self, events: Sequence[KVEvent] | KVEventBatch) -> bool:
+        """Queue ``events`` (or a ready batch) for sending; never blocks.
+
+        Returns False when the batch was not accepted (publisher shut down or
+        its queue full).
+        """
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Flush what was accepted and release all resources; idempotent."""
+
+    def __enter__(self) -> EventPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+class NullEventPublisher(EventPublisher):
+    """The publisher when events are disabled: accepts and discards."""
+
+    def publish(self, events: Sequence[KVEvent] | KVEventBatch) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        return None
+
+
+@dataclass
+class PublisherStats:
+    """Counters; written by the socket thread (``dropped_batches`` by publish)."""
+
+    published_batches: int = 0
+    dropped_batches: int = 0
+    send_errors: int = 0
+    replay_requests: int = 0
+    replayed_batches: int = 0
+
+
+class ZmqEventPublisher(EventPublisher):
+    """Publishes KV event batches on ZMQ PUB with a ROUTER replay socket.
+
+    ``endpoint`` and ``replay_endpoint`` are bound (a port of ``*`` lets the OS
+    choose; read the result from :attr:`endpoint` / :attr:`replay_endpoint`).
+    ``replay_endpoint=None`` disables replay. ``hwm`` is the PUB socket's send
+    high-water mark per subscriber (ZMQ drops beyond it, never blocks);
+    ``buffer_steps`` is how many recent batches replay can serve;
+    ``max_queue_size`` bounds the hand-off queue to the socket thread.
+    ``data_parallel_rank`` is stamped into batches built from event lists.
+    """
+
+    END_SEQ: ClassVar[bytes] = END_SEQ
+
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        buffer_steps: int = DEFAULT_BUFFER_STEPS,
+        hwm: int = DEFAULT_HWM,
+        data_parallel_rank: int | None = None,
+        *,
+        max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
+        linger_s: float = 1.0,
+        start_timeout_s: float = 10.0,
+        shutdown_timeout_s: float = 5.0,
+    ) -> None:
+        if not endpoint:
+            raise ValueError("KV events endpoint must not be empty")
+        if buffer_steps < 0 or hwm < 0 or max_queue_size < 1:
+            raise ValueError(
+                f"need buffer_steps >= 0, hwm >= 0, max_queue_size >= 1; got "
+                f"{buffer_steps}, {hwm}, {max_queue_size}"
+            )
+        self._requested_endpoint = endpoint
+        self._requested_replay_endpoint = replay_endpoint or None
+        self.topic = topic
+        self._topic_bytes = topic.encode("utf-8")
+        self.buffer_steps = buffer_steps
+        self.hwm = hwm
+        self.data_parallel_rank = data_parallel_rank
+        self._linger_ms = max(0, int(linger_s * 1000))
+        self._shutdown_timeout_s = shutdown_timeout_s
+        self.stats = PublisherStats()
+
+        # Hand-off from the engine thread: (seq, batch). Guarded by _lock so
+        # that no batch can slip in after shutdown's final drain began.
+        self._queue: queue.Queue[tuple[int, KVEventBatch]] = queue.Queue(max_queue_size)
+        self._lock = threading.Lock()
+        self._next_seq = 0
+        self._closed = False
+        self._stop = threading.Event()
+        # A socketpair wakes the socket thread's zmq poll when the queue gets
+        # work, so the thread sleeps without a busy poll and the engine thread
+        # touches no ZMQ socket.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.endpoint: str = endpoint
+        self.replay_endpoint: str | None = self._requested_replay_endpoint
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, name="kvoffload-event-publisher", daemon=True
+        )
+        self._thread.start()
+        if not self._ready.wait(start_timeout_s):
+            self._abort_start()
+            raise OSError(f"KV event publisher did not start within {start_timeout_s} s")
+        if self._start_error is not None:
+            self._thread.join(self._shutdown_timeout_s)
+            self._close_wake()
+            raise OSError(
+                f"cannot bind KV event sockets ({endpoint!r}, replay {replay_endpoint!r}): "
+                f"{self._start_error}"
+            ) from self._start_error
+
+    # -- engine thread ----------------------------------------------------------
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next accepted ``publish`` call will get."""
+        return self._next_seq
+
+    def publish(self, events: Sequence[KVEvent] | KVEventBatch) -> bool:
+        if isinstance(events, KVEventBatch):
+            batch = events
+        else:
+            batch = KVEventBatch(
+                ts=time.time(), events=list(events), data_parallel_rank=self.data_parallel_rank
+            )
+        with self._lock:
+            if self._closed:
+                return False
+            seq = self._next_seq
+            self._next_seq += 1
+            try:
+                self._queue.put_nowait((seq, batch))
+            except queue.Full:
+                self.stats.dropped_batches += 1
+                return False
+        self._wake()
+        return True
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every batch accepted so far left the socket thread.
+
+        For tests and orderly hand-offs; the engine never needs to call it.
+        Returns False on timeout.
+        """
+        deadline = time.monotonic() + timeout_s
+        done = self._queue.all_tasks_done
+        with done:
+            while self._queue.unfinished_tasks:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._thread.is_alive():
+                    return False
+                done.wait(min(remaining, 0.1))
+        return True
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        self._wake()
+        self._thread.join(self._shutdown_timeout_s)
+        if self._thread.is_alive():
+            logger.warning(
+                "KV event publisher thread did not stop within %s s", self._shutdown_timeout_s
+            )
+            return
+        self._close_wake()
+
+    def _wake(self) -> None:
+        # A full socketpair already means "wake up"; a closed one means we are
+        # past shutdown.
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"\x00")
+
+    def _close_wake(self) -> None:
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def _abort_start(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._stop.set()
+        self._wake()
+        self._thread.join(self._shutdown_timeout_s)
+
+    # -- socket thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        pub: zmq.Socket | None = None
+        replay: zmq.Socket | None = None
+        try:
+            try:
+                pub = ctx.socket(zmq.PUB)
+                pub.setsockopt(zmq.SNDHWM, self.hwm)
+                pub.setsockopt(zmq.LINGER, self._linger_ms)
+                pub.bind(self._requested_endpoint)
+                self.endpoint = _last_endpoint(pub)
+                if self._requested_replay_endpoint is not None:
+                    replay = ctx.socket(zmq.ROUTER)
+                    # A full replay of the buffer must fit in one client's pipe,
+                    # or ROUTER would silently drop its tail.
+                    replay_hwm = 0 if self.hwm == 0 else max(self.hwm, self.buffer_steps + 1)
+                    replay.setsockopt(zmq.SNDHWM, replay_hwm)
+                    replay.setsockopt(zmq.LINGER, self._linger_ms)
+                    replay.bind(self._requested_replay_endpoint)
+                    self.replay_endpoint = _last_endpoint(replay)
+            except zmq.ZMQError as exc:
+                self._start_error = exc
+                return
+            finally:
+                self._ready.set()
+            self._serve(pub, replay)
+        except Exception:  # pragma: no cover - a bug here must not kill silently
+            logger.exception("KV event publisher thread failed")
+        finally:
+            for sock in (pub, replay):
+                if sock is not None:
+                    sock.close()
+            ctx.term()
+
+    def _serve(self, pub: zmq.Socket, replay: zmq.Socket | None) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        if replay is not None:
+            poller.register(replay, zmq.POLLIN)
+        while True:
+            self._drain_wake()
+            # Send everything queued, in chunks, answering replay requests in
+            # between; a request is answered from what was sent before it.
+            while self._send_queued(pub, _SEND_CHUNK):
+                self._serve_replays(replay)
+            self._serve_replays(replay)
+            if self._stop.is_set():
+                # shutdown() set _closed under publish()'s lock before _stop,
+                # so every accepted batch is already queued: this drain is the
+                # last one needed.
+                while self._send_queued(pub, _SEND_CHUNK):
+                    pass
+                return
+            poller.poll()
+
+    def _drain_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while self._wake_r.recv(4096):
+                pass
+
+    def _send_queued(self, pub: zmq.Socket, limit: int) -> bool:
+        """Send up to ``limit`` queued batches; True if more may be waiting."""
+        for _ in range(limit):
+            try:
+                seq, batch = self._queue.get_nowait()
+            except queue.Empty:
+                return False
+            try:
+                payload = encode_batch(batch)
+                # PUB never blocks: at the HWM it drops for that subscriber.
+                pub.send_multipart((self._topic_bytes, seq_to_bytes(seq), payload), copy=False)
+            except Exception:
+                # One bad batch (unencodable event, socket error) must not
+                # take the stream down; its seq becomes an unreplayable gap.
+                self.stats.send_errors += 1
+                logger.exception("KV event batch seq=%d could not be sent", seq)
+            else:
+                self._buffer.append((seq, payload))
+                self.stats.published_batches += 1
+            finally:
+                self._queue.task_done()
+        return True
+
+    def _serve_replays(self, replay: zmq.Socket | None) -> None:
+        if replay is None:
+            return
+        while True:
+            try:
+                frames = replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._answer_replay(replay, frames)
+
+    def _answer_replay(self, replay: zmq.Socket, frames: list[bytes]) -> None:
+        # [identity, b"", start] from REQ (or a DEALER sending the delimiter),
+        # [identity, start] from a bare DEALER.
+        if len(frames) == 3 and frames[1] == b"":
+            envelope = (frames[0], b"")
+        elif len(frames) == 2:
+            envelope = (frames[0],)
+        else:
+            logger.warning("ignoring malformed KV event replay request (%d frames)", len(frames))
+            return
+        self.stats.replay_requests += 1
+        start = frames[-1]
+        if len(start) == 8:
+            start_seq = seq_from_bytes(start)
+            for seq, payload in self._buffer:
+                if seq >= start_seq:
+                    replay.send_multipart((*envelope, seq_to_bytes(seq), payload), copy=False)
+                    self.stats.replayed_batches += 1
+        else:
+            logger.warning("KV event replay request with a %d-byte seq; want 8", len(start))
+        # Always terminate, so that a waiting client never hangs on a bad request.
+        replay.send_multipart((*envelope, END_SEQ, b""))
+
+
+def _last_endpoint(sock: zmq.Socket) -> str:
+    value = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def make_publisher(
+    endpoint: str | None = None,
+    replay_endpoint: str | None = None,
+    topic: str = "",
+    buffer_steps: int = DEFAULT_BUFFER_STEPS,
+    hwm: int = DEFAULT_HWM,
+    data_parallel_rank: int | None = None,
+    *,
+    max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
+) -> EventPublisher:
+    """A :class:`ZmqEventPublisher`, or the null publisher when ``endpoint`` is None."""
+    if endpoint is None:
+        return NullEventPublisher()
+    return ZmqEventPublisher(
+        endpoint,
+        replay_endpoint,
+        topic,
+        buffer_steps,
+        hwm,
+        data_parallel_rank,
+        max_queue_size=max_queue_size,
+    )
