@@ -76,3 +76,38 @@ def test_adopts_a_buffer() -> None:
         HostPool(layout, 4, buffer=buffer)
     with pytest.raises(ValueError, match="uint8"):
         HostPool(layout, 1, buffer=buffer.view(torch.float32))
+
+
+def test_pins_in_place_exactly_and_unregisters(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Simulated CUDA: the region is registered as allocated (no power-of-two
+    # rounding) and unregistered when the pool goes away.
+    import gc
+
+    import kvoffload.transfer.host_pool as hp
+
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(hp.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(hp, "pin_in_place", lambda t: calls.append(("reg", t.data_ptr())) or True)
+    monkeypatch.setattr(hp, "unpin", lambda t: calls.append(("unreg", t.data_ptr())))
+    pool = HostPool(KVLayout(GEOM), 3)
+    assert pool.pinned and pool.region.numel() * 4 == pool.nbytes
+    ptr = pool.region.data_ptr()
+    del pool
+    gc.collect()
+    assert calls == [("reg", ptr), ("unreg", ptr)]
+
+
+def test_host_buffer_is_zeroed_aligned_and_kept_alive() -> None:
+    import gc
+
+    from kvoffload.transfer.host_memory import HUGE_PAGE_BYTES, host_buffer
+
+    big = host_buffer(9 << 20)
+    gc.collect()  # the mapping must outlive the local that created it
+    assert big.numel() == 9 << 20 and big.dtype == torch.uint8 and not big.any()
+    assert big.data_ptr() % HUGE_PAGE_BYTES == 0 or not hasattr(__import__("mmap"), "MADV_HUGEPAGE")
+    big.fill_(7)
+    assert int(big[-1]) == 7
+    assert host_buffer(100).numel() == 100
+    with pytest.raises(ValueError, match="positive"):
+        host_buffer(0)

@@ -39,6 +39,7 @@ from kvoffload.transfer import (
     parse_dtype,
 )
 from kvoffload.transfer.copy_plan import choose_strategy
+from kvoffload.transfer.host_memory import host_buffer, pin_in_place, unpin
 
 DEFAULT_SIZES = "16KiB,64KiB,256KiB,1MiB,4MiB"
 QUICK_SIZES = "16KiB,256KiB"
@@ -84,7 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pattern", choices=("random", "sequential"), default="random", help="block id pattern"
     )
-    parser.add_argument("--repeats", type=int, default=3, help="timed repeats, best kept")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed rounds, best kept (default 5)"
+    )
     parser.add_argument("--threads", type=int, default=2, help="worker threads (CPU path)")
     parser.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="GPU tier device"
@@ -124,14 +127,19 @@ def _geometry(block_bytes: int, args: argparse.Namespace) -> KVGeometry:
     )
 
 
-def _best_seconds(fn: Callable[[], None], repeats: int, sync: Callable[[], None]) -> float:
-    best = float("inf")
+def _best_seconds_interleaved(
+    fns: list[Callable[[], None]], repeats: int, sync: Callable[[], None]
+) -> list[float]:
+    """Best time of each of ``fns``, run round-robin so that noise from other
+    processes on the machine hits all of them alike."""
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - start)
+        for i, fn in enumerate(fns):
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            best[i] = min(best[i], time.perf_counter() - start)
     return best
 
 
@@ -154,13 +162,27 @@ class Buffers:
     gpu: torch.Tensor  # flat uint8, on the GPU-tier device
     host: torch.Tensor  # flat uint8 host memory, pinned on CUDA machines
 
+    pinned: bool = False
+
     @classmethod
     def allocate(cls, nbytes: int, device: torch.device, seed: int) -> Buffers:
-        gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        """Both tiers in the same kind of memory as the engine's (``HostPool``'s) own."""
+        if device.type == "cuda":
+            gpu = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        else:
+            gpu = host_buffer(nbytes)
         _fill_pattern(gpu, seed)
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        host = host_buffer(nbytes)
         host.zero_()  # commit the pages before anything is timed
-        return cls(gpu, host)
+        pinned = device.type == "cuda" and pin_in_place(host)
+        if device.type == "cuda" and not pinned:
+            host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+        return cls(gpu, host, pinned)
+
+    def release(self) -> None:
+        if self.pinned:
+            unpin(self.host)
+            self.pinned = False
 
 
 def _pool_sizes(block_bytes: int, args: argparse.Namespace, buffer_bytes: int) -> tuple[int, int]:
@@ -213,16 +235,24 @@ def measure(
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     total = n * layout.bytes_per_block
     try:
-        run_job(store, True)  # warm up: first touch, thread start-up
-        run_job(load, False)
         before = flat_gpu.clone() if nbytes <= (64 << 20) else None
-        t_store = _best_seconds(lambda: run_job(store, True), args.repeats, sync)
-        t_load = _best_seconds(lambda: run_job(load, False), args.repeats, sync)
+        run_job(store, True)  # warm up (first touch, thread start-up) and check
+        run_job(load, False)
         if before is not None and not torch.equal(before, flat_gpu):
             raise RuntimeError("store + load round trip changed the GPU tier's bytes")
         host_part, gpu_part = flat_host[:total], flat_gpu[:total]
-        t_bulk = _best_seconds(lambda: host_part.copy_(gpu_part), args.repeats, sync)
-        t_bulk_load = _best_seconds(lambda: gpu_part.copy_(host_part), args.repeats, sync)
+        # The bulk copies overwrite both tiers with each other's bytes; the
+        # timed jobs do not care what the bytes are.
+        t_store, t_load, t_bulk, t_bulk_load = _best_seconds_interleaved(
+            [
+                lambda: run_job(store, True),
+                lambda: run_job(load, False),
+                lambda: host_part.copy_(gpu_part),
+                lambda: gpu_part.copy_(host_part),
+            ],
+            args.repeats,
+            sync,
+        )
     finally:
         worker.close()
     planner = GpuCpuJobPlanner(gpu, layout, host)
@@ -291,11 +321,14 @@ def bench(args: argparse.Namespace, progress: Callable[[], None] | None = None) 
     sizes, kinds, device = _resolve(args)
     buffers = Buffers.allocate(_buffer_bytes(sizes, args, device), device, args.seed)
     results = []
-    for kind in kinds:
-        for size in sizes:
-            results.append(asdict(measure(size, kind, args, device, buffers)))
-            if progress is not None:
-                progress()
+    try:
+        for kind in kinds:
+            for size in sizes:
+                results.append(asdict(measure(size, kind, args, device, buffers)))
+                if progress is not None:
+                    progress()
+    finally:
+        buffers.release()
     return {
         "results": results,
         "device": str(device),

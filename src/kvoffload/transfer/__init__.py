@@ -8,6 +8,7 @@ from kvoffload.transfer.copy_plan import STRATEGIES, GroupPairs, RowPairs, copy_
 from kvoffload.transfer.cuda_streams import CudaStreamTransferHandler
 from kvoffload.transfer.gpu_cpu import CpuGpuTransferHandler, GpuCpuJobPlanner
 from kvoffload.transfer.handler import ThreadPoolTransferHandler, TransferHandler
+from kvoffload.transfer.host_memory import host_buffer
 from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.layout import (
     LAYOUT_KINDS,
@@ -48,6 +49,7 @@ __all__ = [
     "copy_rows",
     "cpu_slot_bytes",
     "format_bytes",
+    "host_buffer",
     "make_cpu_gpu_handler",
     "num_cpu_blocks",
     "parse_bytes",

@@ -10,11 +10,13 @@ offloading manager's business.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from kvoffload.transfer.host_memory import host_buffer, pin_in_place, unpin
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.sizing import num_cpu_blocks
 
@@ -24,8 +26,12 @@ class HostPool:
 
     The region is page-locked when ``pin_memory`` is requested and CUDA is
     available (``pinned`` says which it got); page-locked memory is what lets
-    device copies run asynchronously. Its contents start undefined: a slot is
-    only read after a store wrote it. ``buffer`` (a contiguous uint8 host
+    device copies run asynchronously. It is pinned in place with
+    ``cudaHostRegister``, exactly its size: torch's ``pin_memory`` allocator
+    rounds every request up to a power of two (a 40 GiB pool would lock
+    64 GiB), so it is only the fallback. The region is a huge-page mapping
+    (``host_memory.host_buffer``). Its contents are not meaningful until a
+    store wrote a slot. ``buffer`` (a contiguous uint8 host
     tensor of at least ``nbytes``) is used instead of a fresh allocation,
     e.g. to reuse one committed region across pools; it is then pinned iff
     the buffer is.
@@ -47,8 +53,15 @@ class HostPool:
         self.block_size_factor = block_size_factor
         shape = layout.region_shape(self.num_sub_blocks)
         if buffer is None:
+            dtype = layout.geometry.dtype
             self.pinned = bool(pin_memory) and torch.cuda.is_available()
-            self.region = torch.empty(shape, dtype=layout.geometry.dtype, pin_memory=self.pinned)
+            self.region = host_buffer(self.nbytes).view(dtype).view(shape)
+            if self.pinned:
+                if pin_in_place(self.region):
+                    # The finalizer holds the region: it is unpinned before it is freed.
+                    weakref.finalize(self, unpin, self.region)
+                else:
+                    self.region = torch.empty(shape, dtype=dtype, pin_memory=True)
         else:
             self.pinned = buffer.is_pinned()
             self.region = _adopt(buffer, self.nbytes).view(layout.geometry.dtype).view(shape)
