@@ -32,7 +32,10 @@ TRANSFER_STREAM_PRIORITY = 0
 
 
 class CudaStreamTransferHandler(TransferHandler):
-    """Asynchronous GPU<->CPU copies on low-priority streams; see the module docstring."""
+    """Asynchronous GPU<->CPU copies on low-priority streams; see the module docstring.
+
+    Not thread-safe: it is driven from the engine loop (as ``OffloadingWorker`` is).
+    """
 
     def __init__(
         self,
