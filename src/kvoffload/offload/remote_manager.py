@@ -131,9 +131,10 @@ class RemoteOffloadingManager(LowerTierManager):
 
     def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput:
         unique = [k for k in dict.fromkeys(keys) if k not in self._storing]
-        if self._available is not None and not self._available():
-            unique = []
+        # Asking first also probes a server thought down, so stores alone recover the tier.
         there = self._exists(unique) if unique else []
+        if self._available is not None and not self._available():
+            there = [True] * len(unique)
         new = [k for k, t in zip(unique, there) if not t]
         self._storing.update(new)
         return PrepareStoreOutput(new, RemoteLoadStoreSpec(new), [], RemoteLoadStoreSpec([]))

@@ -1,0 +1,89 @@
+"""CPU <-> REMOTE jobs: host pool slots to and from a ``RedisBlockStore``.
+
+A job succeeds only if every block moved. During an outage the store answers
+at once (misses, failed stores), so these jobs fail fast instead of hanging;
+the handler decides nothing about what to store or load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvoffload.offload.base import CPULoadStoreSpec, LoadStoreSpec
+from kvoffload.offload.lower_tier import REMOTE_MEDIUM, RemoteLoadStoreSpec
+from kvoffload.transfer.handler import ThreadPoolTransferHandler, Work
+from kvoffload.transfer.host_pool import HostPool
+from kvoffload.transfer.redis_store import RedisBlockStore
+from kvoffload.transfer.slot_io import BlocksMissing, SlotIO, check_pair
+from kvoffload.transfer.spec import TransferSpec
+
+CPU = CPULoadStoreSpec.medium()
+
+
+class RedisTransferHandler(ThreadPoolTransferHandler):
+    """Runs CPU -> REMOTE and REMOTE -> CPU jobs on a thread pool."""
+
+    def __init__(self, store: RedisBlockStore, host_pool: HostPool, num_threads: int = 2) -> None:
+        if store.block_bytes != host_pool.slot_bytes:
+            raise ValueError(
+                f"remote tier blocks are {store.block_bytes} bytes but CPU slots are "
+                f"{host_pool.slot_bytes}: the store was made for another geometry"
+            )
+        super().__init__(num_threads, thread_name_prefix="kvoffload-redis-job")
+        self.store = store
+        self.slots = SlotIO(host_pool)
+
+    # -- synchronous copies (also used by the tiered handler) -----------------
+
+    def write(self, src: CPULoadStoreSpec, dst: RemoteLoadStoreSpec) -> list[bool]:
+        """CPU slots -> the server; per block, whether it accepted it."""
+        check_pair(src, dst)
+        if not len(dst):
+            return []
+        return self.store.put(dst.keys, self.slots.gather(src.block_ids))
+
+    def write_blocks(self, keys: Sequence[bytes], data: Any) -> list[bool]:
+        """Serialised blocks (e.g. read from disk) -> the server."""
+        return self.store.put(keys, data) if len(keys) else []
+
+    def read(self, src: RemoteLoadStoreSpec, dst: CPULoadStoreSpec) -> list[bool]:
+        """The server -> CPU slots; per block, whether it is a verified hit."""
+        check_pair(src, dst)
+        if not len(src):
+            return []
+        buf, staged = self.slots.reader(dst.block_ids)
+        hit = self.store.get_into(src.keys, buf)
+        if staged:
+            assert isinstance(buf, torch.Tensor)
+            self.slots.scatter(dst.block_ids, buf, hit)
+        return hit
+
+    def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
+        """Run one copy; raises ``BlocksMissing`` unless every block moved. Returns bytes."""
+        if isinstance(src, CPULoadStoreSpec) and isinstance(dst, RemoteLoadStoreSpec):
+            ok = self.write(src, dst)
+        elif isinstance(src, RemoteLoadStoreSpec) and isinstance(dst, CPULoadStoreSpec):
+            ok = self.read(src, dst)
+        else:
+            raise ValueError(f"cannot copy {src.medium()} -> {dst.medium()} (CPU<->REMOTE only)")
+        bad = len(ok) - sum(ok)
+        if bad:
+            verb = "stored" if dst.medium() == REMOTE_MEDIUM else "read"
+            raise BlocksMissing(f"{bad} of {len(ok)} remote blocks could not be {verb}")
+        return len(ok) * self.store.block_bytes
+
+    # -- the handler ------------------------------------------------------------
+
+    def prepare(self, job_id: int, spec: TransferSpec) -> Work:
+        src, dst = spec.src, spec.dst
+        if spec.media not in ((CPU, REMOTE_MEDIUM), (REMOTE_MEDIUM, CPU)):
+            raise ValueError(
+                f"cannot transfer {spec.media[0]} -> {spec.media[1]} (CPU<->REMOTE only)"
+            )
+        check_pair(src, dst)
+        cpu = dst if isinstance(dst, CPULoadStoreSpec) else src
+        self.slots.pool.check_slots(cpu.block_ids)  # type: ignore[attr-defined]
+        return lambda: self.copy(src, dst)

@@ -1,0 +1,105 @@
+"""CPU slots as the byte blocks the disk and remote tiers store.
+
+A lower tier stores one CPU slot per block, serialised as ``HostPool.read_slots``
+lays it out (sub-block, then plane). Where a slot already is one contiguous
+run of bytes in the pool (the ``cross_layer`` layout, one plane), the stores
+read and write the pool's memory directly; otherwise slots are gathered into
+(or scattered from) a staging tensor, one copy.
+
+``tier_fingerprint`` names everything that makes two engines' serialised
+slots interchangeable; the stores fold it into their manifest (disk) and
+namespace (remote), so incompatible engines never read each other's blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvoffload.offload.base import LoadStoreSpec
+from kvoffload.transfer.host_pool import HostPool
+from kvoffload.transfer.layout import KVLayout
+
+#: Bump when the serialised form of a slot changes.
+SLOT_FORMAT_VERSION = 1
+
+
+def tier_fingerprint(layout: KVLayout, block_size_factor: int = 1) -> str:
+    """The KV geometry, layout kind, dtype and slot shape, as one stable string."""
+    g = layout.geometry
+    dtype = str(g.dtype).removeprefix("torch.")
+    return (
+        f"slot-v{SLOT_FORMAT_VERSION};layers={g.num_layers};kv_heads={g.num_kv_heads};"
+        f"head_size={g.head_size};block_size={g.block_size};dtype={dtype};"
+        f"layout={layout.kind};block_size_factor={block_size_factor}"
+    )
+
+
+class BlocksMissing(RuntimeError):
+    """Some blocks of a copy could not be read or written; the job fails."""
+
+
+def check_pair(src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
+    """A copy pairs blocks one to one: both sides name as many."""
+    n_src, n_dst = len(src), len(dst)  # type: ignore[arg-type]
+    if n_src != n_dst:
+        raise ValueError(f"{src.medium()} -> {dst.medium()} copy of {n_src} blocks into {n_dst}")
+
+
+class SlotIO:
+    """Reads and writes serialised slots of one host pool."""
+
+    def __init__(self, host_pool: HostPool) -> None:
+        self.pool = host_pool
+        self.slot_bytes = host_pool.slot_bytes
+        planes = host_pool.planes
+        self._flat: torch.Tensor | None = None
+        if len(planes) == 1 and planes[0].is_contiguous():
+            # One contiguous plane: slot s is rows s*f .. s*f+f-1, back to back.
+            self._flat = planes[0].reshape(host_pool.num_slots, self.slot_bytes)
+
+    @property
+    def zero_copy(self) -> bool:
+        """Whether the stores move bytes straight into and out of the pool."""
+        return self._flat is not None
+
+    def views(self, slots: Sequence[int] | np.ndarray) -> list[np.ndarray] | None:
+        """Per slot, a uint8 view of its bytes in the pool; None when slots are not contiguous."""
+        if self._flat is None:
+            return None
+        ids = self.pool.check_slots(slots)
+        flat = self._flat.numpy()
+        return [flat[int(s)] for s in ids]
+
+    def gather(self, slots: Sequence[int] | np.ndarray) -> list[np.ndarray] | torch.Tensor:
+        """The slots' bytes to write down: views when possible, else a gathered copy."""
+        views = self.views(slots)
+        if views is not None:
+            return views
+        return self.pool.read_slots(slots)
+
+    def reader(
+        self, slots: Sequence[int] | np.ndarray
+    ) -> tuple[list[np.ndarray] | torch.Tensor, bool]:
+        """Where a store should put the slots' bytes, and whether a ``scatter`` must follow."""
+        views = self.views(slots)
+        if views is not None:
+            return views, False
+        ids = self.pool.check_slots(slots)
+        return torch.empty((len(ids), self.slot_bytes), dtype=torch.uint8), True
+
+    def scatter(
+        self, slots: Sequence[int] | np.ndarray, staging: torch.Tensor, hit: Sequence[bool]
+    ) -> None:
+        """Copy the staged rows that were hits into their slots (misses are left alone)."""
+        ids = np.asarray(slots, dtype=np.int64)
+        mask = np.asarray(hit, dtype=bool)
+        if not mask.any():
+            return
+        if mask.all():
+            self.pool.write_slots(ids, staging)
+            return
+        rows = torch.from_numpy(np.flatnonzero(mask))
+        self.pool.write_slots(ids[mask], staging.index_select(0, rows))

@@ -1,0 +1,166 @@
+"""Assembling the disk and remote tiers behind a CPU tier: stores, managers, handlers.
+
+One call builds both sides, since each needs the other's facts at start-up:
+the disk manager is seeded with the blocks the re-opened disk store still
+holds, and the remote manager asks the remote store what the server has.
+Errors in the configuration (an unwritable directory, a directory written
+by an incompatible engine, a malformed Redis URL, rejected credentials) are
+raised here, before the engine starts serving; an unreachable Redis server
+is only a warning (the tier starts in an outage and recovers on its own).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvoffload.offload.base import OffloadKey
+from kvoffload.offload.cpu_manager import CPUOffloadingManager
+from kvoffload.offload.disk_manager import DiskOffloadingManager
+from kvoffload.offload.lower_tier import DISK_MEDIUM, REMOTE_MEDIUM, TIERED_MEDIUM, LowerTierManager
+from kvoffload.offload.remote_manager import RemoteOffloadingManager
+from kvoffload.offload.tiered_manager import TieredOffloadingManager
+from kvoffload.transfer.disk_handler import DiskTransferHandler
+from kvoffload.transfer.disk_store import DiskBlockStore
+from kvoffload.transfer.host_pool import HostPool
+from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.redis_handler import RedisTransferHandler
+from kvoffload.transfer.redis_store import RedisBlockStore
+from kvoffload.transfer.sizing import parse_bytes
+from kvoffload.transfer.slot_io import tier_fingerprint
+from kvoffload.transfer.tiered_handler import TieredTransferHandler
+from kvoffload.transfer.worker import OffloadingWorker, make_cpu_gpu_handler
+
+CPU = "CPU"
+GPU = "GPU"
+
+
+@dataclass
+class LowerTiers:
+    """The assembled tiers: give ``manager`` to the connector, ``register`` the handlers."""
+
+    manager: TieredOffloadingManager
+    handler: TieredTransferHandler
+    disk_store: DiskBlockStore | None = None
+    redis_store: RedisBlockStore | None = None
+    disk_handler: DiskTransferHandler | None = None
+    redis_handler: RedisTransferHandler | None = None
+    _closed: bool = field(default=False, repr=False)
+
+    def register(self, worker: OffloadingWorker) -> None:
+        """Route ``TIERED <-> GPU`` (and plain ``CPU <-> DISK/REMOTE``) jobs to these handlers."""
+        worker.register_handler(TIERED_MEDIUM, GPU, self.handler)
+        worker.register_handler(GPU, TIERED_MEDIUM, self.handler)
+        if self.disk_handler is not None:
+            worker.register_handler(CPU, DISK_MEDIUM, self.disk_handler)
+            worker.register_handler(DISK_MEDIUM, CPU, self.disk_handler)
+        if self.redis_handler is not None:
+            worker.register_handler(CPU, REMOTE_MEDIUM, self.redis_handler)
+            worker.register_handler(REMOTE_MEDIUM, CPU, self.redis_handler)
+
+    def load_blocks_by_medium(self) -> dict[str, int]:
+        """Offloaded blocks handed out for loads, per tier they came from."""
+        return dict(self.manager.stats.load_blocks)
+
+    def close(self) -> None:
+        """Close handlers and stores (the worker's ``close`` also closes registered handlers)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.handler.close()
+        for h in (self.disk_handler, self.redis_handler):
+            if h is not None:
+                h.close()
+        if self.disk_store is not None:
+            self.disk_store.close()
+        if self.redis_store is not None:
+            self.redis_store.close()
+
+
+def make_lower_tiers(
+    cpu: CPUOffloadingManager,
+    host_pool: HostPool,
+    gpu_tensors: Sequence[torch.Tensor],
+    layout: KVLayout,
+    *,
+    hash_fn: str,
+    disk_dir: str | os.PathLike[str] | None = None,
+    disk_blocks: int | None = None,
+    disk_bytes: int | str | None = None,
+    redis_url: str | None = None,
+    redis_namespace: str = "kvoffload",
+    redis_ttl_s: float | None = None,
+    redis_timeout_s: float = 0.5,
+    write_mode: str = "write_back",
+    enable_events: bool = True,
+    num_threads: int = 2,
+    direct_io: bool | None = None,
+) -> LowerTiers:
+    """Disk (if ``disk_dir``) then remote (if ``redis_url``) tiers under ``cpu``.
+
+    ``disk_blocks`` or ``disk_bytes`` (e.g. "20GiB") sizes the disk tier in
+    CPU slots. ``hash_fn`` is the block hash function's name: blocks hashed
+    differently never match, so it is part of what a store checks.
+    """
+    if not disk_dir and not redis_url:
+        raise ValueError("make_lower_tiers needs a disk_dir, a redis_url, or both")
+    slot_bytes = host_pool.slot_bytes
+    fingerprint = tier_fingerprint(layout, host_pool.block_size_factor)
+    lower: list[LowerTierManager] = []
+    disk_store = redis_store = None
+    disk_handler = redis_handler = None
+    try:
+        if disk_dir:
+            if disk_blocks is None:
+                if disk_bytes is None:
+                    raise ValueError("the disk tier needs disk_blocks or disk_bytes")
+                disk_blocks = parse_bytes(disk_bytes) // slot_bytes
+                if disk_blocks < 1:
+                    raise ValueError(
+                        f"disk tier budget {disk_bytes!r} is smaller than one block "
+                        f"({slot_bytes} bytes)"
+                    )
+            disk_store = DiskBlockStore(
+                disk_dir,
+                slot_bytes,
+                disk_blocks,
+                fingerprint,
+                hash_fn=hash_fn,
+                direct_io=direct_io,
+            )
+            restored = [(OffloadKey(e.key), e.slot) for e in disk_store.entries()]
+            lower.append(DiskOffloadingManager(disk_blocks, enable_events, restored))
+            disk_handler = DiskTransferHandler(disk_store, host_pool, num_threads)
+        if redis_url:
+            redis_store = RedisBlockStore(
+                redis_url,
+                redis_namespace,
+                slot_bytes,
+                ttl_s=redis_ttl_s,
+                timeout_s=redis_timeout_s,
+                geometry_fingerprint=fingerprint,
+                hash_fn=hash_fn,
+            )
+            lower.append(
+                RemoteOffloadingManager(
+                    redis_store.contains_many,
+                    lambda: redis_store.available,  # type: ignore[union-attr]
+                    enable_events,
+                )
+            )
+            redis_handler = RedisTransferHandler(redis_store, host_pool, num_threads)
+        manager = TieredOffloadingManager(cpu, lower, write_mode=write_mode)
+        cpu_gpu = make_cpu_gpu_handler(gpu_tensors, layout, host_pool, num_threads)
+        handler = TieredTransferHandler(cpu_gpu, disk_handler, redis_handler, 2 * num_threads)
+    except BaseException:
+        for h in (disk_handler, redis_handler):
+            if h is not None:
+                h.close()
+        for s in (disk_store, redis_store):
+            if s is not None:
+                s.close()
+        raise
+    return LowerTiers(manager, handler, disk_store, redis_store, disk_handler, redis_handler)
