@@ -87,6 +87,10 @@ def stream_events(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         start_seq=args.from_seq,
         on_gap=on_gap,
     ) as sub:
+        replay = f", replay {sub.replay_endpoint}" if sub.replay_endpoint else ""
+        topic = f"topic {args.topic!r}" if args.topic else "all topics"
+        err.write(f"kvoffload events: listening on {sub.endpoint} ({topic}){replay}\n")
+        err.flush()
         while max_batches is None or printed < max_batches:
             wait = _POLL_S
             if deadline is not None:
@@ -155,8 +159,14 @@ def _hashes(values: list[Any]) -> str:
 
 def format_event(event: KVCacheEvent) -> str:
     parts = [_tag(event)]
+    # The tier first: it is what a reader scans for.
+    medium = getattr(event, "medium", None)
+    if medium is not None:
+        parts.append(f"medium={medium}")
     for name in event.__struct_fields__:
         value = getattr(event, name)
+        if name == "medium":
+            continue
         if name == "block_hashes":
             parts.append(f"blocks={len(value)} {_hashes(value)}")
         elif name == "parent_block_hash":

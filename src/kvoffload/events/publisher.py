@@ -194,7 +194,7 @@ class ZmqEventPublisher(EventPublisher):
 
     @property
     def next_seq(self) -> int:
-        """The seq the next accepted ``publish`` call will get."""
+        """The seq the next ``publish`` call takes (a dropped batch takes one too)."""
         return self._next_seq
 
     def publish(self, events: Sequence[KVEvent] | KVEventBatch) -> bool:
@@ -264,6 +264,8 @@ class ZmqEventPublisher(EventPublisher):
         self._stop.set()
         self._wake()
         self._thread.join(self._shutdown_timeout_s)
+        if not self._thread.is_alive():
+            self._close_wake()
 
     # -- socket thread ----------------------------------------------------------
 

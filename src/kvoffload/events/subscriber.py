@@ -138,8 +138,13 @@ class KVEventSubscriber:
         pending: _Pending = []
         if self._initial_replay:
             self._initial_replay = False
-            assert self._expected is not None
-            self._take_replay(self._expected, None, pending)
+            start = self._expected
+            assert start is not None
+            lost_before = len(self.lost_ranges)
+            self._take_replay(start, None, pending)
+            if pending and pending[0][0] > start:
+                self.stats.gaps += 1
+                self._report(start, pending[0][0] - 1, 0, lost_before)
             if pending:
                 return self._decode(pending)
         deadline = None if timeout_s is None else time.monotonic() + max(0.0, timeout_s)
@@ -181,9 +186,12 @@ class KVEventSubscriber:
         lost_before = len(self.lost_ranges)
         self._take_replay(first, (seq, payload), pending)
         recovered = sum(1 for s, _, r in pending[before:] if r and s < seq)
-        report = GapReport(first, seq - 1, recovered, tuple(self.lost_ranges[lost_before:]))
+        self._report(first, seq - 1, recovered, lost_before)
+
+    def _report(self, first: int, last: int, recovered: int, lost_before: int) -> None:
         if self._on_gap is not None:
-            self._on_gap(report)
+            lost = tuple(self.lost_ranges[lost_before:])
+            self._on_gap(GapReport(first, last, recovered, lost))
 
     def _take_replay(self, first: int, live: tuple[int, bytes] | None, pending: _Pending) -> None:
         """Append replayed batches from ``first`` on (and ``live``) in seq order.
