@@ -332,3 +332,16 @@ def test_tier_copy_and_spec_reprs() -> None:
     )
     assert spec.medium() == "TIERED" and len(spec) == 1
     assert "DISK->CPUx1!" in repr(spec)
+
+
+def test_hit_counts_per_tier_exclude_failed_loads() -> None:
+    w, m = make(cpu_blocks=2)
+    store(w, m, [1, 2])
+    store(w, m, [3])  # 2 -> disk
+    assert load(w, m, [1, 2]) == (2, True)
+    assert m.hit_blocks_by_medium() == {"CPU": 1, "DISK": 1}
+    assert m.lower_hit_blocks == 1
+    w.fail_next = [("CPU", "GPU")]
+    assert load(w, m, [1]) == (1, False)
+    assert m.hit_blocks_by_medium() == {"CPU": 1, "DISK": 1}
+    assert m.stats.load_blocks["CPU"] == 2

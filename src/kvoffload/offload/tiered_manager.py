@@ -69,9 +69,14 @@ _NONE = -2
 
 @dataclass
 class TieredStats:
-    """Blocks handed out by ``prepare_load`` per medium, and the traffic between tiers."""
+    """Blocks loaded per medium, and the traffic between tiers.
+
+    ``load_blocks``: handed out by ``prepare_load``; ``loaded_blocks``: of
+    those, the ones whose load did not report failure (the tier hits).
+    """
 
     load_blocks: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    loaded_blocks: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     promotions: int = 0
     promotions_discarded: int = 0
     promotions_failed: int = 0
@@ -293,6 +298,8 @@ class TieredOffloadingManager(OffloadingManager):
         queue = self._loads.get(key_tuple)
         if not queue:
             self.cpu.complete_load(keys)
+            if success is not False:
+                self.stats.loaded_blocks[self.cpu.medium] += len(key_tuple)
             return
         record = queue.popleft()
         if not queue:
@@ -300,6 +307,10 @@ class TieredOffloadingManager(OffloadingManager):
         if record.error:
             return
         self._unpin(record)
+        if success is not False:
+            self.stats.loaded_blocks[self.cpu.medium] += len(record.cpu_keys)
+            for tier, tkeys in record.lower_pins:
+                self.stats.loaded_blocks[tier.medium] += len(tkeys)
         if record.promoted:
             keep = success is True
             self.cpu.complete_store(record.promoted, success=keep)
@@ -311,6 +322,16 @@ class TieredOffloadingManager(OffloadingManager):
                     tier.drop(tkeys)
         for tier, wkeys in record.written:
             tier.complete_store(wkeys, success=True)
+
+    def hit_blocks_by_medium(self) -> dict[str, int]:
+        """Blocks loaded from each tier so far (loads that reported failure excluded)."""
+        return dict(self.stats.loaded_blocks)
+
+    @property
+    def lower_hit_blocks(self) -> int:
+        """Blocks loaded from the tiers below CPU memory so far."""
+        cpu = self.cpu.medium
+        return sum(n for m, n in self.stats.loaded_blocks.items() if m != cpu)
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         self.cpu.touch(keys)

@@ -76,7 +76,7 @@ _RECORD = struct.Struct("<4sBBHIQQ64sI")
 _REC_BODY = _RECORD.size - 4
 # Bound on one preadv/pwritev: iovec count and bytes.
 _MAX_RUN_IOV = 512
-_MAX_RUN_BYTES = 16 << 20
+_MAX_RUN_BYTES = 4 << 20
 # Batches below this many bytes run on the calling thread (pool overhead dominates).
 _INLINE_BYTES = 1 << 20
 

@@ -62,8 +62,8 @@ class LowerTiers:
             worker.register_handler(REMOTE_MEDIUM, CPU, self.redis_handler)
 
     def load_blocks_by_medium(self) -> dict[str, int]:
-        """Offloaded blocks handed out for loads, per tier they came from."""
-        return dict(self.manager.stats.load_blocks)
+        """Offloaded blocks loaded from each tier (failed loads excluded)."""
+        return self.manager.hit_blocks_by_medium()
 
     def close(self) -> None:
         """Close handlers and stores (the worker's ``close`` also closes registered handlers)."""
