@@ -14,7 +14,9 @@ Faults: every socket operation has a bounded timeout and at most one
 immediate retry (a pooled connection gone stale across a server restart). A
 connection failure trips a breaker: for ``retry_interval_s`` every call
 answers at once (misses, failed stores, nothing present) without touching the
-network; then one call probes again. The outage is logged once when it
+network; then one call probes again, and each probe that fails doubles the
+wait (up to ``max_retry_interval_s``), so a server that swallows packets
+costs the engine at most one timeout per interval. The outage is logged once when it
 starts and once when the server is back. Server-side refusals (out of memory
 under ``noeviction``, and the like) fail only the commands concerned.
 Capacity and expiry are the server's business (``maxmemory``,
@@ -148,7 +150,8 @@ class RedisBlockStore:
 
     ``timeout_s`` bounds connecting and every socket read/write; ``ttl_s``
     expires blocks (refreshed on every hit); ``retry_interval_s`` is how long
-    an outage is assumed to last before the next probe. Batch calls are
+    an outage is assumed to last before the first probe (doubling per failed
+    probe, up to ``max_retry_interval_s``). Batch calls are
     pipelined in chunks of at most ``max_batch_bytes``. Construction checks
     the URL (``ValueError``); with ``check_connection`` it also pings the
     server, raising ``RedisStoreError`` on rejected credentials and warning
@@ -168,6 +171,7 @@ class RedisBlockStore:
         geometry_fingerprint: str = "",
         hash_fn: str = "",
         retry_interval_s: float = 1.0,
+        max_retry_interval_s: float = 30.0,
         max_batch_bytes: int = 32 << 20,
         check_connection: bool = True,
     ) -> None:
@@ -186,6 +190,8 @@ class RedisBlockStore:
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self.timeout_s = timeout_s
         self.retry_interval_s = retry_interval_s
+        self.max_retry_interval_s = max(max_retry_interval_s, retry_interval_s)
+        self._interval = retry_interval_s
         self.prefix = namespace_prefix(namespace, block_bytes, geometry_fingerprint, hash_fn)
         self.value_bytes = HEADER_BYTES + block_bytes
         self._chunk = max(1, max_batch_bytes // self.value_bytes)
@@ -230,18 +236,22 @@ class RedisBlockStore:
 
     def _mark_down(self, err: BaseException) -> None:
         with self._state_lock:
-            self._down_until = time.monotonic() + self.retry_interval_s
+            if self._down_since is None:
+                self._interval = self.retry_interval_s
+            else:
+                self._interval = min(2 * self._interval, self.max_retry_interval_s)
+            self._down_until = time.monotonic() + self._interval
             if self._down_since is None:
                 self._down_since = time.monotonic()
                 self.stats.outages += 1
                 logger.warning(
                     "Redis tier at %s is unreachable (%s: %s); its loads are misses and its "
-                    "stores fail until it is back (next try in %.1fs, then every %.1fs)",
+                    "stores fail until it is back (next try in %.1fs, backing off to %.1fs)",
                     self.shown_url,
                     type(err).__name__,
                     err,
                     self.retry_interval_s,
-                    self.retry_interval_s,
+                    self.max_retry_interval_s,
                 )
 
     def _mark_up(self) -> None:
