@@ -16,7 +16,7 @@ BS = 8
 
 def prompts() -> list[list[int]]:
     system = [(7 * i + 3) % 500 for i in range(48)]
-    convs = [[(11 * i + 5 * c) % 500 for i in range(24)] for c in range(4)]
+    convs = [[(11 * i + 37 * c + 1) % 500 for i in range(24)] for c in range(6)]
     out = []
     for turn in range(3):
         for c, conv in enumerate(convs):
@@ -27,7 +27,7 @@ def prompts() -> list[list[int]]:
 def run(store_mode: str, policy: str | None = None, **kw) -> tuple[list[list[int]], LLMEngine]:
     cfg = EngineConfig(
         block_size=BS,
-        num_gpu_blocks=24,
+        num_gpu_blocks=16,
         max_num_seqs=2,
         max_num_batched_tokens=64,
         store_mode=store_mode,
@@ -77,7 +77,7 @@ def test_batched_and_preempted_generation_is_identical(reference) -> None:
     # Everything at once through a GPU tier so small that requests preempt each other.
     cfg = EngineConfig(
         block_size=BS,
-        num_gpu_blocks=20,
+        num_gpu_blocks=16,
         max_num_seqs=6,
         max_num_batched_tokens=48,
         store_mode="eager",

@@ -100,16 +100,36 @@ class Scheduler:
         if out.preempted:
             return out  # no admissions in a step that had to preempt
 
-        skipped: list[Request] = []
+        budget = self._admit_waiting(budget, out)
+        # Requests whose loads finished hold blocks while waiting; if they hold
+        # so many that the head of the queue cannot start, nothing would ever
+        # run. Give back the others' blocks (they are in the prefix cache now,
+        # so they come back as GPU hits) and retry.
+        stuck = not out.scheduled and not self.running and not self.loading and self.waiting
+        if stuck and self._release_waiting_blocks():
+            self._admit_waiting(budget, out)
+        return out
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.popleft()
             if not self._admit(req, budget, out):
-                skipped.append(req)
+                self.waiting.appendleft(req)
                 break
             if req.status is RequestStatus.RUNNING:
                 budget -= out.scheduled[-1][1]
-        self.waiting.extendleft(reversed(skipped))
-        return out
+        return budget
+
+    def _release_waiting_blocks(self) -> bool:
+        released = False
+        for req in list(self.waiting)[1:]:
+            if req.blocks:
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                if self.connector is not None:
+                    self.connector.request_preempted(req.req_id)
+                released = True
+        return released
 
     def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> bool:
         """Start ``req``: prefix hits, maybe a tier load, else a first chunk."""
