@@ -95,7 +95,10 @@ def run_trace(
     ttfts = np.array([o.ttft_s for o in outputs]) if outputs else np.zeros(1)
     gpu_hits = sum(o.num_gpu_hit_tokens for o in outputs)
     tier_hits = sum(o.num_tier_hit_tokens for o in outputs)
-    lower = tier_stats.get("lower_hit_tokens", 0)
+    if tier_stats is None:
+        cpu_hits, lower = tier_hits, 0
+    else:  # tiered: split by where the loaded blocks came from
+        cpu_hits, lower = tier_stats["cpu_hit_tokens"], tier_stats["lower_hit_tokens"]
     conn = engine.connector.stats if engine.connector is not None else None
     out_tokens = sum(len(o.output_token_ids) for o in outputs)
     return ServeSummary(
@@ -104,7 +107,7 @@ def run_trace(
         prompt_tokens=prompt_tokens,
         output_tokens=out_tokens,
         hit_rate_gpu=gpu_hits / prompt_tokens if prompt_tokens else 0.0,
-        hit_rate_cpu=(tier_hits - lower) / prompt_tokens if prompt_tokens else 0.0,
+        hit_rate_cpu=cpu_hits / prompt_tokens if prompt_tokens else 0.0,
         hit_rate_lower=lower / prompt_tokens if prompt_tokens else 0.0,
         prefill_tokens_computed=sum(o.num_prefill_tokens_computed for o in outputs),
         prefill_tokens_total=prompt_tokens,

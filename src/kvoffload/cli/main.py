@@ -14,6 +14,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "offload": ("kvoffload.bench.offload", "offloading-manager policies vs LRU and Belady"),
     "transfer": ("kvoffload.bench.transfer", "GPU<->CPU block copy bandwidth vs bulk copy"),
     "serve": ("kvoffload.bench.serve", "the serving workload across offload configurations"),
+    "tiers": ("kvoffload.bench.tiers", "disk and Redis tier throughput vs raw I/O"),
 }
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("kvoffload.cli.run_cmd", "serve the built-in multi-turn workload with CPU offload"),

@@ -12,23 +12,26 @@ Batch invariance (why the kernel looks the way it does)
 The engine must produce bit-identical results for a token whatever else is in
 its batch and however its prefix was chunked, so that KV computed in one step,
 in another request's step, or copied back from a CPU tier are interchangeable.
-CPU GEMM kernels pick their blocking (and so their summation order) from the
-matrix shapes, and softmax reductions sum in an order that depends on the row
-length. So:
+Softmax reductions normally sum in an order that depends on the row length,
+and GEMM kernels are chosen from the matrix shapes. So:
 
-* queries are cut into tiles of ``QUERY_TILE`` rows of one sequence (padded by
-  repeating the last row), and every product is a batch of fixed-shape
-  matrices: ``[group * QUERY_TILE, head_dim] @ [head_dim, block_size]`` for
-  scores and ``[group * QUERY_TILE, block_size] @ [block_size, head_dim]`` for
-  values, one per (tile, KV head, key block). The batch always holds at least
-  two matrices: a single GEMM may be split across threads, a batch is split
-  by matrix;
-* the softmax max is exact in any order; exponentials are elementwise; sums
-  over keys are done within a block (fixed length ``block_size``, fixed
-  positions since blocks start at multiples of ``block_size``) and then
-  across blocks with ``cumsum``, a sequential left-to-right scan. Blocks past
-  a query's position contribute exact zeros, so how many key blocks a batch
-  is padded to does not change any result.
+* each sequence's new tokens are cut into pieces of at most ``QUERY_PIECE``
+  queries; pieces are grouped in buckets by their query count (rounded up to
+  a power of two, at least 2) and key count (rounded up to a multiple of
+  ``KEY_CHUNK``). Padding query columns repeat a real query and are dropped;
+  padding keys are masked;
+* scores are one GEMM per (piece, KV head) with the keys as rows:
+  ``[keys, head_dim] @ [head_dim, queries * group]``. For attention's small
+  inner dimension (head_dim <= 128) CPU GEMMs give each element the same
+  value for any number of rows that is a multiple of 16 and any number of
+  columns >= 2 (``tests/engine/test_attention.py`` checks it);
+* the softmax max is exact in any order and exponentials are elementwise;
+  numerator and denominator come from one fixed-shape GEMM per chunk of
+  ``KEY_CHUNK`` keys (positions ``[c * KEY_CHUNK, (c + 1) * KEY_CHUNK)``),
+  ``[head_dim + 1, KEY_CHUNK] @ [KEY_CHUNK, queries * group]`` (a row of ones
+  appended to V gives the denominator), summed over chunks left to right.
+  Chunks past a query's position contribute exact zeros, so the padding never
+  changes a result.
 
 Causality: a query at position ``p`` sees keys ``0..p``. The new tokens' K/V are
 written into the cache (``write_kv``) before attention reads it, so a chunk
@@ -37,12 +40,21 @@ sees its own earlier tokens through the cache exactly like cached context.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-QUERY_TILE = 16
+# Keys per value GEMM; the key rows of every score GEMM are a multiple of it
+# (see the module docstring).
+KEY_CHUNK = 64
+# Queries of one sequence attended together at most: a long prefill is split
+# so that early queries do not pay for keys they cannot see.
+QUERY_PIECE = 64
+# Pieces with at most this many queries share a bucket whatever their key
+# count (decode: fewer, larger batches beat tighter key padding).
+SMALL_PIECE = 8
 
 
 def _as_long_tensor(value: torch.Tensor | Sequence[int], name: str) -> torch.Tensor:
@@ -54,41 +66,64 @@ def _as_long_tensor(value: torch.Tensor | Sequence[int], name: str) -> torch.Ten
     return t.cpu()
 
 
-@dataclass
-class TilePlan:
-    """How a batch's query rows are cut into fixed-size tiles; shared by all layers.
+def _exp_floor(dtype: torch.dtype) -> float:
+    """Smallest exp input whose result is a normal number of ``dtype`` (with margin)."""
+    return math.log(torch.finfo(dtype).tiny) + 1.0
 
-    ``rows``/``positions`` are ``[num_tiles, QUERY_TILE]`` (padding repeats a
-    tile's last row), ``valid`` is ``[num_tiles * QUERY_TILE]``, ``tables`` is
-    ``[num_tiles, num_key_blocks]`` (block ids, padded with block 0: padding
-    keys are always masked).
+
+def _next_pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+@dataclass
+class Bucket:
+    """Query pieces attended together.
+
+    ``rows``/``positions`` are ``[num_pieces, queries]`` (padding repeats a
+    piece's last query), ``valid`` is ``[num_pieces * queries]``, ``tables``
+    ``[num_pieces, num_blocks]`` holds the block ids covering the first
+    ``num_keys`` key positions (padding reads block 0 and is masked).
     """
 
     rows: torch.Tensor
     positions: torch.Tensor
     valid: torch.Tensor
     tables: torch.Tensor
-    block_size: int
-    _masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    num_keys: int
+    _masks: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, repr=False
+    )
 
     @property
-    def num_tiles(self) -> int:
+    def num_pieces(self) -> int:
         return int(self.rows.shape[0])
 
     @property
-    def num_key_blocks(self) -> int:
-        return int(self.tables.shape[1])
+    def num_queries(self) -> int:
+        return int(self.rows.shape[1])
 
-    def mask(self, group: int) -> torch.Tensor:
-        """``[num_tiles, 1, num_key_blocks, group * QUERY_TILE, block_size]``, True = masked."""
-        m = self._masks.get(group)
-        if m is None:
-            nb, bs = self.num_key_blocks, self.block_size
-            key_pos = torch.arange(nb * bs, dtype=torch.long).view(1, nb, 1, bs)
-            qpos = self.positions.repeat(1, group).view(self.num_tiles, 1, group * QUERY_TILE, 1)
-            m = (key_pos > qpos).unsqueeze(1)
-            self._masks[group] = m
-        return m
+    def masks(self, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(bias, keep)``, each ``[num_pieces, 1, num_keys, queries * group]``.
+
+        ``bias`` is 0 where the query column may see the key row and a huge
+        negative number where not (adding it keeps hidden keys out of the
+        max); ``keep`` is 1 and 0 likewise (multiplying by it makes hidden
+        keys' probabilities exactly 0).
+        """
+        cached = self._masks.get((group, dtype))
+        if cached is None:
+            key_pos = torch.arange(self.num_keys, dtype=torch.long).view(1, -1, 1)
+            # Columns are (query, head-in-group) pairs, query-major.
+            qpos = self.positions.repeat_interleave(group, dim=1).unsqueeze(1)
+            hidden = (key_pos > qpos).unsqueeze(1)
+            bias = torch.zeros(hidden.shape, dtype=dtype)
+            bias.masked_fill_(hidden, -0.5 * torch.finfo(dtype).max)
+            keep = (~hidden).to(dtype)
+            cached = self._masks[(group, dtype)] = (bias, keep)
+        return cached
 
 
 @dataclass
@@ -117,7 +152,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     block_size: int
     positions: torch.Tensor  # derived: position of every new token, [T]
-    _plan: TilePlan | None = field(default=None, repr=False)
+    _buckets: list[Bucket] | None = field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -216,57 +251,53 @@ class AttentionMetadata:
         return ends[has_new] - 1
 
     @property
-    def plan(self) -> TilePlan:
-        if self._plan is None:
-            self._plan = _build_plan(self)
-        return self._plan
+    def buckets(self) -> list[Bucket]:
+        """The batch grouped for attention (computed once; every layer shares it)."""
+        if self._buckets is None:
+            self._buckets = _build_buckets(self)
+        return self._buckets
 
 
-def _build_plan(meta: AttentionMetadata) -> TilePlan:
+def _key_rows(num_keys: int) -> int:
+    """The smallest multiple of ``KEY_CHUNK`` that covers ``num_keys``."""
+    return KEY_CHUNK * -(-max(num_keys, 1) // KEY_CHUNK)
+
+
+def _build_buckets(meta: AttentionMetadata) -> list[Bucket]:
     bs = meta.block_size
     starts = meta.query_start_loc.tolist()
     lens = meta.seq_lens.tolist()
-    tile_seq: list[int] = []
-    tile_first: list[int] = []  # first row of the tile
-    tile_count: list[int] = []  # valid rows in the tile
-    tile_first_pos: list[int] = []
+    # piece: (first row, count, first position, sequence)
+    groups: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
     for i in range(meta.num_seqs):
         n = starts[i + 1] - starts[i]
         ctx = lens[i] - n
-        for off in range(0, n, QUERY_TILE):
-            tile_seq.append(i)
-            tile_first.append(starts[i] + off)
-            tile_count.append(min(QUERY_TILE, n - off))
-            tile_first_pos.append(ctx + off)
-    if len(tile_seq) == 1:
-        # A lone GEMM may be threaded differently from a batch of them; a dummy
-        # copy of the tile (all rows invalid) keeps every step on the batched path.
-        tile_seq.append(tile_seq[0])
-        tile_first.append(tile_first[0])
-        tile_count.append(0)
-        tile_first_pos.append(tile_first_pos[0])
-    num_tiles = len(tile_seq)
-    if num_tiles == 0:
-        empty = torch.zeros((0, QUERY_TILE), dtype=torch.long)
-        return TilePlan(empty, empty, torch.zeros(0, dtype=torch.bool), empty[:, :1], bs)
-    seq = torch.tensor(tile_seq, dtype=torch.long)
-    first = torch.tensor(tile_first, dtype=torch.long)
-    count = torch.tensor(tile_count, dtype=torch.long)
-    first_pos = torch.tensor(tile_first_pos, dtype=torch.long)
-    j = torch.arange(QUERY_TILE, dtype=torch.long).unsqueeze(0)
-    last = (count - 1).clamp(min=0).unsqueeze(1)
-    offs = torch.minimum(j, last)
-    rows = first.unsqueeze(1) + offs
-    positions = first_pos.unsqueeze(1) + offs
-    valid = (j < count.unsqueeze(1)).reshape(-1)
-    blocks_needed = positions[:, -1] // bs + 1
-    nb = int(blocks_needed.max())
-    tables = meta.block_tables[seq][:, :nb] if meta.block_tables.shape[1] >= nb else None
-    if tables is None:  # cannot happen after build()'s checks; keeps the plan total
-        raise ValueError("block tables do not cover the batch's positions")
-    col = torch.arange(nb, dtype=torch.long).unsqueeze(0)
-    tables = torch.where(col < blocks_needed.unsqueeze(1), tables, torch.zeros_like(tables))
-    return TilePlan(rows, positions, valid, tables.contiguous(), bs)
+        for off in range(0, n, QUERY_PIECE):
+            count = min(QUERY_PIECE, n - off)
+            width = max(2, _next_pow2(count))
+            keys = _key_rows(ctx + off + count)
+            groups.setdefault((width, 0 if width <= SMALL_PIECE else keys), []).append(
+                (starts[i] + off, count, ctx + off, i)
+            )
+    buckets = []
+    for (width, _), pieces in sorted(groups.items()):
+        first, count, first_pos, seq = (torch.tensor(col, dtype=torch.long) for col in zip(*pieces))
+        j = torch.arange(width, dtype=torch.long).unsqueeze(0)
+        offs = torch.minimum(j, (count - 1).unsqueeze(1))
+        rows = first.unsqueeze(1) + offs
+        positions = first_pos.unsqueeze(1) + offs
+        valid = (j < count.unsqueeze(1)).reshape(-1)
+        num_keys = _key_rows(int((first_pos + count).max()))
+        num_blocks = -(-num_keys // bs)
+        needed = (first_pos + count + bs - 1) // bs  # blocks holding keys a piece sees
+        tables = meta.block_tables[seq][:, :num_blocks]
+        if tables.shape[1] < num_blocks:
+            pad = torch.zeros((len(pieces), num_blocks - tables.shape[1]), dtype=torch.long)
+            tables = torch.cat([tables, pad], dim=1)
+        col = torch.arange(num_blocks, dtype=torch.long).unsqueeze(0)
+        tables = torch.where(col < needed.unsqueeze(1), tables, torch.zeros_like(tables))
+        buckets.append(Bucket(rows, positions, valid, tables.contiguous(), num_keys))
+    return buckets
 
 
 def check_kv_cache(
@@ -318,32 +349,47 @@ def paged_attention(
     ``[T', H, D]``. Grouped-query heads: query head ``h`` reads KV head
     ``h // (H / H_kv)``, as HF's ``repeat_kv`` does.
     """
-    plan = meta.plan
     num_rows, num_heads, head_dim = query.shape
     num_kv = k_cache.shape[2]
     group = num_heads // num_kv
     out = query.new_zeros((num_rows, num_heads, head_dim))
-    if plan.num_tiles == 0:
-        return out
-    nt, nb, tile = plan.num_tiles, plan.num_key_blocks, QUERY_TILE
-    gq = group * tile
-
-    # [nt, tile, H, D] -> [nt, H_kv, 1, group*tile, D]; row r of a (tile, kv head) is
-    # query head kv*group + r // tile at tile row r % tile.
-    q = query[plan.rows].view(nt, tile, num_kv, group, head_dim)
-    q = q.permute(0, 2, 3, 1, 4).reshape(nt, num_kv, 1, gq, head_dim)
-    k = k_cache[plan.tables].permute(0, 3, 1, 4, 2)  # [nt, H_kv, nb, D, bs]
-    v = v_cache[plan.tables].permute(0, 3, 1, 2, 4)  # [nt, H_kv, nb, bs, D]
-
-    scores = torch.matmul(q.expand(nt, num_kv, nb, gq, head_dim), k)  # [nt, H_kv, nb, gq, bs]
-    scores = scores * scale
-    scores = scores.masked_fill(plan.mask(group), float("-inf"))
-    row_max = scores.amax(dim=(2, 4), keepdim=True)
-    probs = torch.exp(scores - row_max)
-    denom = probs.sum(dim=-1).cumsum(dim=2)[:, :, -1]  # [nt, H_kv, gq]
-    numer = torch.matmul(probs, v).cumsum(dim=2)[:, :, -1]  # [nt, H_kv, gq, D]
-    o = numer / denom.unsqueeze(-1)
-    o = o.view(nt, num_kv, group, tile, head_dim).permute(0, 3, 1, 2, 4)
-    o = o.reshape(nt * tile, num_heads, head_dim)
-    out[plan.rows.reshape(-1)[plan.valid]] = o[plan.valid]
+    # Blocks as rows of ``block_size * H_kv * D`` (a view: blocks are contiguous).
+    k_rows = k_cache.flatten(1)
+    v_rows = v_cache.flatten(1)
+    for b in meta.buckets:
+        npc, nq, keys = b.num_pieces, b.num_queries, b.num_keys
+        cols, chunks = nq * group, keys // KEY_CHUNK
+        flat_tables = b.tables.reshape(-1)
+        # Queries as columns: [pieces * H_kv, D, nq * group], column = query * group + g.
+        q = (query[b.rows] * scale).view(npc, nq, num_kv, group, head_dim)
+        q = q.permute(0, 2, 4, 1, 3).reshape(npc * num_kv, head_dim, cols)
+        # Keys as rows: [pieces * H_kv, keys, D].
+        k = torch.index_select(k_rows, 0, flat_tables).view(npc, -1, num_kv, head_dim)
+        k = k[:, :keys].transpose(1, 2).reshape(npc * num_kv, keys, head_dim)
+        scores = torch.bmm(k, q).view(npc, num_kv, keys, cols)
+        bias, keep = b.masks(group, scores.dtype)
+        scores = scores + bias
+        # exp is an order of magnitude slower on inputs whose results are
+        # subnormal, so inputs are floored where the result is still normal;
+        # hidden keys are then zeroed exactly by ``keep``.
+        probs = (scores - scores.amax(dim=2, keepdim=True)).clamp_(min=_exp_floor(scores.dtype))
+        probs = probs.exp_().mul_(keep)
+        # V transposed per key chunk with a row of ones under it:
+        # [pieces, H_kv, chunks, D + 1, KEY_CHUNK].
+        v = torch.index_select(v_rows, 0, flat_tables).view(npc, -1, num_kv, head_dim)
+        v = v[:, :keys].view(npc, chunks, KEY_CHUNK, num_kv, head_dim)
+        v1 = v.new_empty((npc, num_kv, chunks, head_dim + 1, KEY_CHUNK))
+        v1[:, :, :, :head_dim] = v.permute(0, 3, 1, 4, 2)
+        v1[:, :, :, head_dim] = 1
+        partial = torch.bmm(
+            v1.view(npc * num_kv * chunks, head_dim + 1, KEY_CHUNK),
+            probs.view(npc * num_kv * chunks, KEY_CHUNK, cols),
+        ).view(npc, num_kv, chunks, head_dim + 1, cols)
+        total = partial[:, :, 0].clone()
+        for c in range(1, chunks):  # left to right: a fixed order for every query
+            total += partial[:, :, c]
+        o = total[:, :, :head_dim] / total[:, :, head_dim:]
+        o = o.view(npc, num_kv, head_dim, nq, group).permute(0, 3, 1, 4, 2)
+        o = o.reshape(npc * nq, num_heads, head_dim)
+        out[b.rows.reshape(-1)[b.valid]] = o[b.valid]
     return out

@@ -232,6 +232,19 @@ class LLMEngine:
         outs, self._outputs = self._outputs, []
         return outs
 
+    def tier_hit_breakdown(self) -> dict[str, int] | None:
+        """Tokens loaded from the CPU tier and from the tiers below it, when tiered."""
+        by_medium = (
+            getattr(self.offload.manager, "hit_blocks_by_medium", None) if self.offload else None
+        )
+        if by_medium is None:
+            return None
+        loaded = by_medium()
+        bs = self.config.block_size
+        cpu = loaded.get("CPU", 0)
+        lower = sum(n for medium, n in loaded.items() if medium != "CPU")
+        return {"cpu_hit_tokens": cpu * bs, "lower_hit_tokens": lower * bs}
+
     def take_kv_events(self) -> list[KVEvent]:
         events = self.pool.take_events()
         if self.connector is not None:

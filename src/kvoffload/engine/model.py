@@ -41,7 +41,7 @@ from kvoffload.engine.attention import (
 )
 from kvoffload.engine.model_config import ModelConfig
 
-ROW_TILE = 32
+ROW_TILE = 4
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -305,9 +305,9 @@ class DecoderLM(nn.Module):
                     f"layer {i}: KV cache dtype {k_cache.dtype}, model dtype {cfg.torch_dtype}"
                 )
             num_blocks = k_cache.shape[0]
-        plan = meta.plan
-        if num_blocks is not None and plan.num_tiles and int(plan.tables.max()) >= num_blocks:
-            raise ValueError(f"block tables reference blocks beyond the cache ({num_blocks})")
+        for bucket in meta.buckets:
+            if num_blocks is not None and int(bucket.tables.max()) >= num_blocks:
+                raise ValueError(f"block tables reference blocks beyond the cache ({num_blocks})")
 
 
 @torch.no_grad()

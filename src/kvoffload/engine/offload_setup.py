@@ -31,9 +31,6 @@ class OffloadSetup:
         else:
             self.worker.submit_load(job.job_id, spec)
 
-    def lower_hit_tokens(self) -> int:
-        return int(getattr(self.manager, "lower_hit_tokens", 0))
-
     def close(self) -> None:
         self.worker.close()
         for c in self.closers:
