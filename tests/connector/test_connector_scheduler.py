@@ -191,3 +191,13 @@ def test_bad_arguments() -> None:
         OffloadingConnectorScheduler(h.pool, h.manager, BS, store_mode="sometimes")
     with pytest.raises(ValueError, match="positive"):
         OffloadingConnectorScheduler(h.pool, h.manager, 0)
+
+
+def test_store_larger_than_the_tier_keeps_the_chain_head() -> None:
+    h = Harness(num_cpu=2)
+    _, hs = h.compute("a", tokens(4 * BS))
+    (job,) = h.conn.build_connector_meta().stores
+    assert len(job.dst.block_ids) == 2
+    h.conn.update_connector_output([Result(job.job_id)])
+    assert h.manager.lookup([make_offload_key(x) for x in hs]) == 2  # the first two
+    assert h.conn.stats.stores_skipped_no_room == 2
