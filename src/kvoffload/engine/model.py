@@ -41,7 +41,7 @@ from kvoffload.engine.attention import (
 )
 from kvoffload.engine.model_config import ModelConfig
 
-ROW_TILE = 4
+ROW_TILE = 8
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
