@@ -22,7 +22,7 @@ and GEMM kernels are chosen from the matrix shapes. So:
   padding keys are masked;
 * scores are one GEMM per (piece, KV head) with the keys as rows:
   ``[keys, head_dim] @ [head_dim, queries * group]``. For attention's small
-  inner dimension (head_dim <= 128) CPU GEMMs give each element the same
+  inner dimension (head_dim <= 256) CPU GEMMs give each element the same
   value for any number of rows that is a multiple of 16 and any number of
   columns >= 2 (``tests/engine/test_attention.py`` checks it);
 * the softmax max is exact in any order and exponentials are elementwise;
@@ -31,7 +31,11 @@ and GEMM kernels are chosen from the matrix shapes. So:
   ``[head_dim + 1, KEY_CHUNK] @ [KEY_CHUNK, queries * group]`` (a row of ones
   appended to V gives the denominator), summed over chunks left to right.
   Chunks past a query's position contribute exact zeros, so the padding never
-  changes a result.
+  changes a result. Hidden keys' probabilities are set to exactly 0 after
+  ``exp`` (whose input is floored where its result would be subnormal:
+  subnormals make ``exp`` an order of magnitude slower), so what a block's
+  unused slots hold never matters as long as it is finite (the cache starts
+  zeroed and only ever receives computed or copied KV).
 
 Causality: a query at position ``p`` sees keys ``0..p``. The new tokens' K/V are
 written into the cache (``write_kv``) before attention reads it, so a chunk
