@@ -26,6 +26,9 @@ from kvoffload.engine.scheduler import Scheduler
 from kvoffload.events import KVEvent
 from kvoffload.hashing import get_hash_fn_by_name, make_none_hash
 
+TRANSFER_TIMEOUT_S = 300.0
+MAX_IDLE_STEPS = 10_000
+
 
 @dataclass
 class RequestOutput:
@@ -79,6 +82,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._outputs: list[RequestOutput] = []
         self._next_id = 0
+        self._idle_steps = 0
 
     def _make_publisher(self):
         if self.config.events_endpoint is None:
@@ -146,7 +150,12 @@ class LLMEngine:
             return
         worker = self.offload.worker
         if block and self.connector.num_in_flight_jobs():
-            worker.wait(self.connector.in_flight_job_ids())
+            ids = self.connector.in_flight_job_ids()
+            if not worker.wait(ids, timeout=TRANSFER_TIMEOUT_S):
+                # A copy that never ends must fail loudly, not hang the engine.
+                raise RuntimeError(
+                    f"transfer jobs {ids[:8]} still running after {TRANSFER_TIMEOUT_S:.0f} s"
+                )
         results = worker.get_finished()
         if results:
             loaded, failed = self.connector.update_connector_output(results)
@@ -168,8 +177,18 @@ class LLMEngine:
         if not out.scheduled:
             if self.scheduler.loading or (self.connector and self.connector.num_in_flight_jobs()):
                 self._settle_transfers(block=True)
+                self._idle_steps = 0
+            elif self.scheduler.has_work():
+                self._idle_steps += 1
+                if self._idle_steps > MAX_IDLE_STEPS:
+                    raise RuntimeError(
+                        f"engine made no progress in {MAX_IDLE_STEPS} steps: "
+                        f"{len(self.scheduler.waiting)} waiting, {len(self.scheduler.running)} "
+                        f"running, {self.pool.get_num_free_blocks()} free GPU blocks"
+                    )
             self._publish_events()
             return self._take_outputs()
+        self._idle_steps = 0
         self.stats.steps += 1
         reqs = [r for r, _ in out.scheduled]
         counts = [n for _, n in out.scheduled]

@@ -1,0 +1,3 @@
+from tests.conftest_redis import redis_server, redis_server_factory
+
+__all__ = ["redis_server", "redis_server_factory"]
