@@ -18,12 +18,12 @@ run: $(STAMP)
 	$(BIN)/kvoffload run
 
 test: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
 
 bench: $(STAMP)
 	$(BIN)/kvoffload bench blocks
