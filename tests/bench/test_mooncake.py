@@ -34,7 +34,7 @@ def test_read_trace_and_errors(tmp_path) -> None:
     assert len(reqs) == 3 and reqs[0].hash_ids[:4] == [1000, 1001, 1002, 1003]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"timestamp": 0, "input_length": 5}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:1"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
         list(read_mooncake_trace(bad))
 
 
