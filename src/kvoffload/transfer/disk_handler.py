@@ -14,21 +14,22 @@ import logging
 import numpy as np
 import torch
 
-from kvoffload.offload.base import CPULoadStoreSpec, LoadStoreSpec
+from kvoffload.offload.base import CPULoadStoreSpec
 from kvoffload.offload.lower_tier import DISK_MEDIUM, DiskLoadStoreSpec
 from kvoffload.transfer.disk_store import DiskBlockStore
-from kvoffload.transfer.handler import ThreadPoolTransferHandler, Work
 from kvoffload.transfer.host_pool import HostPool
-from kvoffload.transfer.slot_io import BlocksMissing, SlotIO, check_pair
-from kvoffload.transfer.spec import TransferSpec
+from kvoffload.transfer.slot_io import SlotIO, SlotTierHandler, check_pair
 
 logger = logging.getLogger(__name__)
 
-CPU = CPULoadStoreSpec.medium()
 
-
-class DiskTransferHandler(ThreadPoolTransferHandler):
+class DiskTransferHandler(SlotTierHandler):
     """Runs CPU -> DISK and DISK -> CPU jobs on a thread pool (the store adds its own I/O pool)."""
+
+    tier_spec = DiskLoadStoreSpec
+    tier_medium = DISK_MEDIUM
+    tier_noun = "disk"
+    write_verb = "written"
 
     def __init__(self, store: DiskBlockStore, host_pool: HostPool, num_threads: int = 2) -> None:
         if store.block_bytes != host_pool.slot_bytes:
@@ -69,30 +70,3 @@ class DiskTransferHandler(ThreadPoolTransferHandler):
         if not len(src):
             return out, []
         return out, self.store.get_into(src.keys, out, src.block_ids.tolist())
-
-    def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
-        """Run one copy; raises ``BlocksMissing`` unless every block moved. Returns bytes."""
-        if isinstance(src, CPULoadStoreSpec) and isinstance(dst, DiskLoadStoreSpec):
-            ok = self.write(src, dst)
-        elif isinstance(src, DiskLoadStoreSpec) and isinstance(dst, CPULoadStoreSpec):
-            ok = self.read(src, dst)
-        else:
-            raise ValueError(f"cannot copy {src.medium()} -> {dst.medium()} (CPU<->DISK only)")
-        bad = len(ok) - sum(ok)
-        if bad:
-            verb = "written" if dst.medium() == DISK_MEDIUM else "read"
-            raise BlocksMissing(f"{bad} of {len(ok)} disk blocks could not be {verb}")
-        return len(ok) * self.store.block_bytes
-
-    # -- the handler ------------------------------------------------------------
-
-    def prepare(self, job_id: int, spec: TransferSpec) -> Work:
-        src, dst = spec.src, spec.dst
-        if spec.media not in ((CPU, DISK_MEDIUM), (DISK_MEDIUM, CPU)):
-            raise ValueError(
-                f"cannot transfer {spec.media[0]} -> {spec.media[1]} (CPU<->DISK only)"
-            )
-        check_pair(src, dst)
-        cpu = dst if isinstance(dst, CPULoadStoreSpec) else src
-        self.slots.pool.check_slots(cpu.block_ids)  # type: ignore[attr-defined]
-        return lambda: self.copy(src, dst)

@@ -12,19 +12,20 @@ from typing import Any
 
 import torch
 
-from kvoffload.offload.base import CPULoadStoreSpec, LoadStoreSpec
+from kvoffload.offload.base import CPULoadStoreSpec
 from kvoffload.offload.lower_tier import REMOTE_MEDIUM, RemoteLoadStoreSpec
-from kvoffload.transfer.handler import ThreadPoolTransferHandler, Work
 from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.redis_store import RedisBlockStore
-from kvoffload.transfer.slot_io import BlocksMissing, SlotIO, check_pair
-from kvoffload.transfer.spec import TransferSpec
-
-CPU = CPULoadStoreSpec.medium()
+from kvoffload.transfer.slot_io import SlotIO, SlotTierHandler, check_pair
 
 
-class RedisTransferHandler(ThreadPoolTransferHandler):
+class RedisTransferHandler(SlotTierHandler):
     """Runs CPU -> REMOTE and REMOTE -> CPU jobs on a thread pool."""
+
+    tier_spec = RemoteLoadStoreSpec
+    tier_medium = REMOTE_MEDIUM
+    tier_noun = "remote"
+    write_verb = "stored"
 
     def __init__(self, store: RedisBlockStore, host_pool: HostPool, num_threads: int = 2) -> None:
         if store.block_bytes != host_pool.slot_bytes:
@@ -60,30 +61,3 @@ class RedisTransferHandler(ThreadPoolTransferHandler):
             assert isinstance(buf, torch.Tensor)
             self.slots.scatter(dst.block_ids, buf, hit)
         return hit
-
-    def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
-        """Run one copy; raises ``BlocksMissing`` unless every block moved. Returns bytes."""
-        if isinstance(src, CPULoadStoreSpec) and isinstance(dst, RemoteLoadStoreSpec):
-            ok = self.write(src, dst)
-        elif isinstance(src, RemoteLoadStoreSpec) and isinstance(dst, CPULoadStoreSpec):
-            ok = self.read(src, dst)
-        else:
-            raise ValueError(f"cannot copy {src.medium()} -> {dst.medium()} (CPU<->REMOTE only)")
-        bad = len(ok) - sum(ok)
-        if bad:
-            verb = "stored" if dst.medium() == REMOTE_MEDIUM else "read"
-            raise BlocksMissing(f"{bad} of {len(ok)} remote blocks could not be {verb}")
-        return len(ok) * self.store.block_bytes
-
-    # -- the handler ------------------------------------------------------------
-
-    def prepare(self, job_id: int, spec: TransferSpec) -> Work:
-        src, dst = spec.src, spec.dst
-        if spec.media not in ((CPU, REMOTE_MEDIUM), (REMOTE_MEDIUM, CPU)):
-            raise ValueError(
-                f"cannot transfer {spec.media[0]} -> {spec.media[1]} (CPU<->REMOTE only)"
-            )
-        check_pair(src, dst)
-        cpu = dst if isinstance(dst, CPULoadStoreSpec) else src
-        self.slots.pool.check_slots(cpu.block_ids)  # type: ignore[attr-defined]
-        return lambda: self.copy(src, dst)

@@ -14,13 +14,16 @@ namespace (remote), so incompatible engines never read each other's blocks.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from kvoffload.offload.base import LoadStoreSpec
+from kvoffload.offload.base import CPULoadStoreSpec, LoadStoreSpec
+from kvoffload.transfer.handler import ThreadPoolTransferHandler, Work
 from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.spec import TransferSpec
 
 #: Bump when the serialised form of a slot changes.
 SLOT_FORMAT_VERSION = 1
@@ -122,3 +125,57 @@ class SlotIO:
         src = staging.reshape(rows.numel(), len(self._planes), self._row_bytes).view(torch.int64)
         for p, plane in enumerate(self._planes):
             plane.index_copy_(0, rows, src[:, p])
+
+
+class SlotTierHandler(ThreadPoolTransferHandler):
+    """CPU <-> one lower tier whose store keeps serialised slots (the disk and remote handlers).
+
+    Subclasses set ``store`` (with ``block_bytes`` equal to the pool's slot bytes)
+    and ``slots``, name their tier in the class attributes, and supply
+    ``write(cpu_spec, tier_spec)`` and ``read(tier_spec, cpu_spec)``, each
+    returning per block whether it moved. This base validates jobs and turns a
+    partial copy into ``BlocksMissing``; it decides nothing.
+    """
+
+    #: The tier's ``LoadStoreSpec`` class and medium name.
+    tier_spec: ClassVar[type[LoadStoreSpec]]
+    tier_medium: ClassVar[str]
+    #: How errors name the tier's blocks ("disk") and a failed write ("written").
+    tier_noun: ClassVar[str]
+    write_verb: ClassVar[str]
+
+    store: Any
+    slots: SlotIO
+
+    def write(self, src: Any, dst: Any) -> list[bool]:
+        raise NotImplementedError
+
+    def read(self, src: Any, dst: Any) -> list[bool]:
+        raise NotImplementedError
+
+    def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
+        """Run one copy; raises ``BlocksMissing`` unless every block moved. Returns bytes."""
+        cpu, tier = CPULoadStoreSpec.medium(), self.tier_medium
+        if isinstance(src, CPULoadStoreSpec) and isinstance(dst, self.tier_spec):
+            ok = self.write(src, dst)
+        elif isinstance(src, self.tier_spec) and isinstance(dst, CPULoadStoreSpec):
+            ok = self.read(src, dst)
+        else:
+            raise ValueError(f"cannot copy {src.medium()} -> {dst.medium()} ({cpu}<->{tier} only)")
+        bad = len(ok) - sum(ok)
+        if bad:
+            verb = self.write_verb if dst.medium() == tier else "read"
+            raise BlocksMissing(f"{bad} of {len(ok)} {self.tier_noun} blocks could not be {verb}")
+        return len(ok) * self.store.block_bytes
+
+    def prepare(self, job_id: int, spec: TransferSpec) -> Work:
+        src, dst = spec.src, spec.dst
+        cpu, tier = CPULoadStoreSpec.medium(), self.tier_medium
+        if spec.media not in ((cpu, tier), (tier, cpu)):
+            raise ValueError(
+                f"cannot transfer {spec.media[0]} -> {spec.media[1]} ({cpu}<->{tier} only)"
+            )
+        check_pair(src, dst)
+        cpu_spec = dst if isinstance(dst, CPULoadStoreSpec) else src
+        self.slots.pool.check_slots(cpu_spec.block_ids)  # type: ignore[attr-defined]
+        return lambda: self.copy(src, dst)
