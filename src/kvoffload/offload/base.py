@@ -19,6 +19,7 @@ or pinned by a load is never evicted.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NewType
@@ -202,3 +203,38 @@ class OffloadingManager(ABC):
     @abstractmethod
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Events since the last call (none when events are disabled)."""
+
+
+def release_pins(refs: dict[OffloadKey, int], keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+    """Drop one load pin per occurrence of each key in ``refs``; the keys left unpinned.
+
+    Checks first, so a bad call changes nothing: every key must hold at least
+    as many pins as it occurs in ``keys``. A key's count is removed from
+    ``refs`` when it reaches 0 (``refs`` holds only counts > 0); the keys
+    that reached 0 are returned in ``keys`` order.
+    """
+    for key, n in Counter(keys).items():
+        if refs.get(key, 0) < n:
+            raise ValueError(f"complete_load of key {key.hex()} that is not pinned that often")
+    unpinned: list[OffloadKey] = []
+    for key in keys:
+        r = refs[key] - 1
+        if r == 0:
+            del refs[key]
+            unpinned.append(key)
+        else:
+            refs[key] = r
+    return unpinned
+
+
+def finish_stores(storing: set[OffloadKey], keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+    """End the in-flight stores of ``keys``; the keys, deduplicated in order.
+
+    Checks first, so a bad call changes nothing: every key must be in ``storing``.
+    """
+    unique = list(dict.fromkeys(keys))
+    for key in unique:
+        if key not in storing:
+            raise ValueError(f"complete_store of key {key.hex()} that is not being stored")
+    storing.difference_update(unique)
+    return unique

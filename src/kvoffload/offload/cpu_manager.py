@@ -15,7 +15,6 @@ all stored blocks.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 from kvoffload.offload.base import (
@@ -24,6 +23,8 @@ from kvoffload.offload.base import (
     OffloadingManager,
     OffloadKey,
     PrepareStoreOutput,
+    finish_stores,
+    release_pins,
 )
 from kvoffload.offload.policies.base import CachePolicy
 from kvoffload.offload.policies.registry import make_policy
@@ -131,19 +132,7 @@ class CPUOffloadingManager(OffloadingManager):
         return CPULoadStoreSpec([self._slot_of[k] for k in keys])
 
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:
-        keys = list(keys)
-        refs = self._refs
-        for key, n in Counter(keys).items():
-            if refs.get(key, 0) < n:
-                raise ValueError(f"complete_load of key {key.hex()} that is not pinned that often")
-        unpinned: list[OffloadKey] = []
-        for key in keys:
-            r = refs[key] - 1
-            if r == 0:
-                del refs[key]
-                unpinned.append(key)
-            else:
-                refs[key] = r
+        unpinned = release_pins(self._refs, list(keys))
         if unpinned:
             self.policy.unpin(unpinned)
 
@@ -204,12 +193,7 @@ class CPUOffloadingManager(OffloadingManager):
             prev = key if key in slot_of and key not in storing else None
 
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
-        keys = list(dict.fromkeys(keys))
-        storing = self._storing
-        for key in keys:
-            if key not in storing:
-                raise ValueError(f"complete_store of key {key.hex()} that is not being stored")
-        storing.difference_update(keys)
+        keys = finish_stores(self._storing, keys)
         if success:
             self.policy.insert(keys)
             if self.enable_events:

@@ -20,10 +20,16 @@ choice of slots and victims is made here, never by the store.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from kvoffload.offload.base import OffloadingEvent, OffloadKey, PrepareStoreOutput
+from kvoffload.offload.base import (
+    OffloadingEvent,
+    OffloadKey,
+    PrepareStoreOutput,
+    finish_stores,
+    release_pins,
+)
 from kvoffload.offload.lower_tier import DISK_MEDIUM, DiskLoadStoreSpec, LowerTierManager
 
 
@@ -120,19 +126,7 @@ class DiskOffloadingManager(LowerTierManager):
         return DiskLoadStoreSpec([self._slot_of[k] for k in keys], keys)
 
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:
-        keys = list(keys)
-        refs = self._refs
-        for key, n in Counter(keys).items():
-            if refs.get(key, 0) < n:
-                raise ValueError(f"complete_load of key {key.hex()} that is not pinned that often")
-        unpinned: list[OffloadKey] = []
-        for key in keys:
-            r = refs[key] - 1
-            if r == 0:
-                del refs[key]
-                unpinned.append(key)
-            else:
-                refs[key] = r
+        unpinned = release_pins(self._refs, list(keys))
         gone = [k for k in unpinned if k in self._doomed]
         if gone:
             self._doomed.difference_update(gone)
@@ -187,12 +181,7 @@ class DiskOffloadingManager(LowerTierManager):
         )
 
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
-        keys = list(dict.fromkeys(keys))
-        storing = self._storing
-        for key in keys:
-            if key not in storing:
-                raise ValueError(f"complete_store of key {key.hex()} that is not being stored")
-        storing.difference_update(keys)
+        keys = finish_stores(self._storing, keys)
         if success:
             for key in reversed(keys):
                 self._lru[key] = None

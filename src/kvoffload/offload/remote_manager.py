@@ -15,10 +15,16 @@ remembered up to ``max_announced`` (least recently seen forgotten first).
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvoffload.offload.base import OffloadingEvent, OffloadKey, PrepareStoreOutput
+from kvoffload.offload.base import (
+    OffloadingEvent,
+    OffloadKey,
+    PrepareStoreOutput,
+    finish_stores,
+    release_pins,
+)
 from kvoffload.offload.lower_tier import REMOTE_MEDIUM, LowerTierManager, RemoteLoadStoreSpec
 
 ExistsFn = Callable[[Sequence[bytes]], list[bool]]
@@ -112,17 +118,7 @@ class RemoteOffloadingManager(LowerTierManager):
         return RemoteLoadStoreSpec(keys)
 
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:
-        keys = list(keys)
-        refs = self._refs
-        for key, n in Counter(keys).items():
-            if refs.get(key, 0) < n:
-                raise ValueError(f"complete_load of key {key.hex()} that is not pinned that often")
-        for key in keys:
-            r = refs[key] - 1
-            if r:
-                refs[key] = r
-            else:
-                del refs[key]
+        release_pins(self._refs, list(keys))
 
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Nothing: the server refreshes a block's TTL when it is read."""
@@ -140,11 +136,7 @@ class RemoteOffloadingManager(LowerTierManager):
         return PrepareStoreOutput(new, RemoteLoadStoreSpec(new), [], RemoteLoadStoreSpec([]))
 
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
-        keys = list(dict.fromkeys(keys))
-        for key in keys:
-            if key not in self._storing:
-                raise ValueError(f"complete_store of key {key.hex()} that is not being stored")
-        self._storing.difference_update(keys)
+        keys = finish_stores(self._storing, keys)
         if not success:
             return
         if self.max_announced:
