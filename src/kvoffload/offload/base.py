@@ -238,3 +238,23 @@ def finish_stores(storing: set[OffloadKey], keys: Sequence[OffloadKey]) -> list[
             raise ValueError(f"complete_store of key {key.hex()} that is not being stored")
     storing.difference_update(unique)
     return unique
+
+
+def reassign_slots(
+    slot_of: dict[OffloadKey, int],
+    free: list[int],
+    victims: Sequence[OffloadKey],
+    new: Sequence[OffloadKey],
+) -> tuple[list[int], list[int]]:
+    """Move ``victims``' slots to ``free``, then give each of ``new`` a free slot.
+
+    Keeps the slots of ``slot_of`` and ``free`` disjoint; ``free`` must then
+    hold at least ``len(new)`` slots. Returns (the new keys' slots, the
+    victims' slots), each in key order; ``free`` is popped from its end.
+    """
+    victim_slots = [slot_of.pop(v) for v in victims]
+    free.extend(victim_slots)
+    slots = [free.pop() for _ in new]
+    for key, slot in zip(new, slots):
+        slot_of[key] = slot
+    return slots, victim_slots

@@ -24,6 +24,7 @@ from kvoffload.offload.base import (
     OffloadKey,
     PrepareStoreOutput,
     finish_stores,
+    reassign_slots,
     release_pins,
 )
 from kvoffload.offload.policies.base import CachePolicy
@@ -170,14 +171,9 @@ class CPUOffloadingManager(OffloadingManager):
                 policy.unpin(protect)
         else:
             policy.evict(0, new)
-        victim_slots = [slot_of.pop(v) for v in victims]
-        self._free.extend(victim_slots)
+        slots, victim_slots = reassign_slots(slot_of, self._free, victims, new)
         if victims and self.enable_events:
             self._events.append(OffloadingEvent(victims, self.medium, removed=True))
-        free = self._free
-        slots = [free.pop() for _ in new]
-        for key, slot in zip(new, slots):
-            slot_of[key] = slot
         self._storing.update(new)
         return PrepareStoreOutput(
             new, CPULoadStoreSpec(slots), victims, CPULoadStoreSpec(victim_slots)

@@ -28,6 +28,7 @@ from kvoffload.offload.base import (
     OffloadKey,
     PrepareStoreOutput,
     finish_stores,
+    reassign_slots,
     release_pins,
 )
 from kvoffload.offload.lower_tier import DISK_MEDIUM, DiskLoadStoreSpec, LowerTierManager
@@ -164,14 +165,9 @@ class DiskOffloadingManager(LowerTierManager):
                         break
             for key in victims:
                 del self._lru[key]
-        victim_slots = [slot_of.pop(v) for v in victims]
-        self._free.extend(victim_slots)
+        slots, victim_slots = reassign_slots(slot_of, self._free, victims, new)
         if victims and self.enable_events:
             self._events.append(OffloadingEvent(victims, DISK_MEDIUM, removed=True))
-        free = self._free
-        slots = [free.pop() for _ in new]
-        for key, slot in zip(new, slots):
-            slot_of[key] = slot
         self._storing.update(new)
         return PrepareStoreOutput(
             new,
