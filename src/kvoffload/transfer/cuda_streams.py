@@ -23,7 +23,7 @@ import torch
 
 from kvoffload.transfer.copy_plan import copy_rows
 from kvoffload.transfer.gpu_cpu import GpuCpuJobPlanner
-from kvoffload.transfer.handler import TransferHandler, describe_error
+from kvoffload.transfer.handler import TransferHandler, job_result
 from kvoffload.transfer.spec import TransferResult, TransferSpec
 
 # A lower number is a higher priority in CUDA and 0 is the lowest level
@@ -85,15 +85,7 @@ class CudaStreamTransferHandler(TransferHandler):
         num_bytes: int,
         exc: BaseException | None,
     ) -> TransferResult:
-        return TransferResult(
-            job_id=job_id,
-            success=exc is None,
-            error=None if exc is None else describe_error(exc),
-            num_bytes=num_bytes if exc is None else 0,
-            src_medium=spec.media[0],
-            dst_medium=spec.media[1],
-            seconds=time.perf_counter() - start,
-        )
+        return job_result(job_id, spec.media, start, num_bytes, exc)
 
     def _settle(self, job_id: int, block: bool) -> bool:
         """Move ``job_id`` to done if its event completed (waiting for it if ``block``)."""

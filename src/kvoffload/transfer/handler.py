@@ -29,6 +29,28 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def job_result(
+    job_id: int,
+    media: tuple[str, str],
+    start: float,
+    num_bytes: int,
+    exc: BaseException | None,
+) -> TransferResult:
+    """The result of a job submitted at ``start`` (``time.perf_counter()``), finishing now.
+
+    It failed with ``exc`` (reported as 0 bytes), or succeeded having moved ``num_bytes``.
+    """
+    return TransferResult(
+        job_id=job_id,
+        success=exc is None,
+        error=None if exc is None else describe_error(exc),
+        num_bytes=num_bytes if exc is None else 0,
+        src_medium=media[0],
+        dst_medium=media[1],
+        seconds=time.perf_counter() - start,
+    )
+
+
 class TransferHandler(ABC):
     """Executes transfer jobs asynchronously; see the module docstring for the contract."""
 
@@ -141,16 +163,8 @@ class ThreadPoolTransferHandler(TransferHandler):
         num_bytes: int,
         exc: BaseException | None,
     ) -> None:
-        src, dst = spec.media if isinstance(spec, TransferSpec) else ("?", "?")
-        result = TransferResult(
-            job_id=job_id,
-            success=exc is None,
-            error=None if exc is None else describe_error(exc),
-            num_bytes=num_bytes if exc is None else 0,
-            src_medium=src,
-            dst_medium=dst,
-            seconds=time.perf_counter() - start,
-        )
+        media = spec.media if isinstance(spec, TransferSpec) else ("?", "?")
+        result = job_result(job_id, media, start, num_bytes, exc)
         with self._cond:
             self._done.append(result)
             self._running.discard(job_id)
