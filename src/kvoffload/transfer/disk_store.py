@@ -204,16 +204,22 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _skip(iov: list[Any], done: int) -> list[Any]:
+    """What is left of ``iov`` once its first ``done`` bytes moved (after a short I/O call)."""
+    while iov and done >= len(iov[0]):
+        done -= len(iov[0])
+        iov = iov[1:]
+    if iov and done:
+        iov = [memoryview(iov[0])[done:], *iov[1:]]
+    return iov
+
+
 def _write_all(fd: int, iov: list[Any], offset: int) -> None:
     """``pwritev`` until every byte of ``iov`` is written (short writes continue)."""
     while iov:
         done = os.pwritev(fd, iov, offset)
         offset += done
-        while iov and done >= len(iov[0]):
-            done -= len(iov[0])
-            iov = iov[1:]
-        if iov and done:
-            iov = [memoryview(iov[0])[done:], *iov[1:]]
+        iov = _skip(iov, done)
 
 
 def _read_all(fd: int, iov: list[Any], offset: int) -> int:
@@ -225,11 +231,7 @@ def _read_all(fd: int, iov: list[Any], offset: int) -> int:
             break
         total += done
         offset += done
-        while iov and done >= len(iov[0]):
-            done -= len(iov[0])
-            iov = iov[1:]
-        if iov and done:
-            iov = [memoryview(iov[0])[done:], *iov[1:]]
+        iov = _skip(iov, done)
     return total
 
 
