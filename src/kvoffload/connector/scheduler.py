@@ -312,7 +312,9 @@ class OffloadingConnectorScheduler:
     def num_in_flight_jobs(self) -> int:
         return len(self._jobs)
 
-    def in_flight_job_ids(self) -> list[int]:
+    def in_flight_job_ids(self, loads_only: bool = False) -> list[int]:
+        if loads_only:
+            return [j for j, job in self._jobs.items() if not job.is_store]
         return list(self._jobs)
 
     def take_events(self) -> list[KVEvent]:

@@ -150,7 +150,9 @@ class LLMEngine:
             return
         worker = self.offload.worker
         if block and self.connector.num_in_flight_jobs():
-            ids = self.connector.in_flight_job_ids()
+            # A request waiting for its load should not also wait for every store.
+            ids = self.connector.in_flight_job_ids(loads_only=bool(self.scheduler.loading))
+            ids = ids or self.connector.in_flight_job_ids()
             if not worker.wait(ids, timeout=TRANSFER_TIMEOUT_S):
                 # A copy that never ends must fail loudly, not hang the engine.
                 raise RuntimeError(
