@@ -37,7 +37,6 @@ from kvoffload.connector.metadata import ConnectorMetadata, TransferJob
 from kvoffload.events import KVEvent
 from kvoffload.hashing import BlockHash
 from kvoffload.offload.base import (
-    BlockIDsLoadStoreSpec,
     GPULoadStoreSpec,
     OffloadingManager,
     OffloadKey,
@@ -201,12 +200,6 @@ class OffloadingConnectorScheduler:
             req_id, [(key, request_blocks[j * f : (j + 1) * f]) for key, j in groups.items()]
         )
 
-    def skip_stores_before(self, req_id: str, num_tokens: int) -> None:
-        """Blocks below ``num_tokens`` came from a hit: no need to store them again."""
-        idx = num_tokens // (self.block_size * self.factor)
-        if self._next_store_block.get(req_id, 0) < idx:
-            self._next_store_block[req_id] = idx
-
     def store_blocks(
         self, req_id: str, candidates: Sequence[tuple[OffloadKey, Sequence[KVCacheBlock]]]
     ) -> int:
@@ -319,7 +312,3 @@ class OffloadingConnectorScheduler:
 
     def take_events(self) -> list[KVEvent]:
         return offloading_events_to_kv_events(self.manager.take_events())
-
-
-def block_ids_of(spec: BlockIDsLoadStoreSpec) -> list[int]:
-    return [int(x) for x in spec.block_ids]
