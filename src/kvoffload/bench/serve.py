@@ -18,7 +18,7 @@ from kvoffload.cli.engine_args import add_engine_arguments, engine_config_from_a
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
-    parser.add_argument("--requests", type=positive_int, default=64)
+    parser.add_argument("--requests", type=positive_int, default=128)
     parser.add_argument("--concurrency", type=positive_int, default=8)
     parser.add_argument(
         "--policies",

@@ -14,11 +14,11 @@ from kvoffload.engine.llm_engine import LLMEngine, RequestOutput
 from kvoffload.engine.request import SamplingParams
 
 
-def demo_workload(vocab_size: int, num_requests: int = 96, seed: int = 0) -> WorkloadConfig:
+def demo_workload(vocab_size: int, num_requests: int = 256, seed: int = 0) -> WorkloadConfig:
     """The built-in multi-turn chat: small enough for 2 CPU cores, too big for the GPU tier."""
     return WorkloadConfig(
         num_requests=num_requests,
-        num_conversations=24,
+        num_conversations=min(64, max(8, num_requests // 4)),
         num_system_prompts=3,
         system_prompt_tokens=192,
         user_tokens=(16, 64),

@@ -16,7 +16,7 @@ from kvoffload.cli.engine_args import add_engine_arguments, engine_config_from_a
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     w = parser.add_argument_group("workload")
-    w.add_argument("--requests", type=positive_int, default=96, help="turns to serve")
+    w.add_argument("--requests", type=positive_int, default=256, help="turns to serve")
     w.add_argument("--concurrency", type=positive_int, default=8)
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
