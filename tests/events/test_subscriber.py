@@ -260,3 +260,20 @@ def test_connectable_rewrites_bind_wildcards() -> None:
     assert connectable("tcp://0.0.0.0:5557") == "tcp://127.0.0.1:5557"
     assert connectable("tcp://10.0.0.2:5557") == "tcp://10.0.0.2:5557"
     assert connectable("ipc:///tmp/kv") == "ipc:///tmp/kv"
+
+
+def test_recv_keeps_waiting_after_an_undecodable_batch() -> None:
+    # An undecodable batch that arrives alone must not end recv() before its deadline.
+    fake = FakePublisher([])
+    try:
+        with KVEventSubscriber(fake.endpoint, fake.replay_endpoint, TOPIC) as sub:
+            fake.wait_subscriber()
+            fake.send(0, b"\xc1 not msgpack")
+            timer = threading.Timer(0.3, fake.send, (1, _payload(1)))
+            timer.start()
+            got = sub.recv(5.0)
+            timer.join()
+    finally:
+        fake.close()
+    assert [r.seq for r in got] == [1]
+    assert sub.lost_ranges == [(0, 0)]

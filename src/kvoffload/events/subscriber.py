@@ -161,7 +161,10 @@ class KVEventSubscriber:
                     break
                 self._on_live(frames, pending)
             if pending:
-                return self._decode(pending)
+                batches = self._decode(pending)
+                if batches:
+                    return batches
+                pending.clear()  # all undecodable (already counted and marked lost)
             # Only duplicates or malformed messages: keep waiting until the deadline.
 
     def _on_live(self, frames: list[bytes], pending: _Pending) -> None:
