@@ -78,5 +78,9 @@ class EngineConfig:
             positive("lazy_window_blocks")
 
     @property
+    def publishes_events(self) -> bool:
+        return self.events_endpoint is not None
+
+    @property
     def offload_enabled(self) -> bool:
         return self.store_mode != "off"

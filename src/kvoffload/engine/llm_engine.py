@@ -24,6 +24,7 @@ from kvoffload.engine.offload_setup import OffloadSetup, build_offload
 from kvoffload.engine.request import Request, RequestStatus, SamplingParams
 from kvoffload.engine.scheduler import Scheduler
 from kvoffload.events import KVEvent
+from kvoffload.events.publisher import make_publisher
 from kvoffload.hashing import get_hash_fn_by_name, make_none_hash
 
 TRANSFER_TIMEOUT_S = 300.0
@@ -63,10 +64,11 @@ class LLMEngine:
         # (tests) and two processes sharing a Redis tier agree when seeded alike.
         self.none_hash = make_none_hash(self.hash_fn, config.hash_seed)
         self.runner = ModelRunner(config)
+        # Events are collected only when they are published: nobody drains them otherwise.
         self.pool = BlockPool(
             config.num_gpu_blocks,
             enable_caching=True,
-            enable_kv_cache_events=config.events_endpoint is not None,
+            enable_kv_cache_events=config.publishes_events,
         )
         self.kv = KVCacheManager(self.pool, config.block_size)
         self.offload: OffloadSetup | None = None
@@ -77,23 +79,14 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv, self.connector, config.max_num_seqs, config.max_num_batched_tokens
         )
-        self.publisher = self._make_publisher()
+        self.publisher = make_publisher(
+            config.events_endpoint, config.events_replay_endpoint, config.events_topic
+        )
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
         self._outputs: list[RequestOutput] = []
         self._next_id = 0
         self._idle_steps = 0
-
-    def _make_publisher(self):
-        if self.config.events_endpoint is None:
-            return None
-        from kvoffload.events.publisher import ZmqEventPublisher
-
-        return ZmqEventPublisher(
-            endpoint=self.config.events_endpoint,
-            replay_endpoint=self.config.events_replay_endpoint,
-            topic=self.config.events_topic,
-        )
 
     # -- requests -------------------------------------------------------------
 
@@ -139,6 +132,7 @@ class LLMEngine:
         req = self._requests.pop(req_id, None)
         if req is not None and not req.is_finished:
             self.scheduler.finish_request(req, RequestStatus.ABORTED)
+            self.runner.release(req_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -248,6 +242,7 @@ class LLMEngine:
         s.finished.append(out)
         self._outputs.append(out)
         del self._requests[req.req_id]
+        self.runner.release(req.req_id)
 
     def _take_outputs(self) -> list[RequestOutput]:
         outs, self._outputs = self._outputs, []
@@ -273,7 +268,7 @@ class LLMEngine:
         return events
 
     def _publish_events(self) -> None:
-        if self.publisher is not None:
+        if self.config.publishes_events:
             events = self.take_kv_events()
             if events:
                 self.publisher.publish(events)
@@ -300,8 +295,7 @@ class LLMEngine:
         self.drain()
         if self.offload is not None:
             self.offload.close()
-        if self.publisher is not None:
-            self.publisher.shutdown()
+        self.publisher.shutdown()
 
     def __enter__(self) -> LLMEngine:
         return self

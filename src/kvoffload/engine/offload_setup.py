@@ -10,6 +10,7 @@ from kvoffload.engine.config import EngineConfig
 from kvoffload.engine.model_runner import ModelRunner
 from kvoffload.offload import CPUOffloadingManager
 from kvoffload.offload.base import OffloadingManager
+from kvoffload.offload.cpu_manager import DEFAULT_CACHE_POLICY
 from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.sizing import num_cpu_blocks
 from kvoffload.transfer.spec import TransferSpec
@@ -43,10 +44,10 @@ def build_offload(config: EngineConfig, pool: BlockPool, runner: ModelRunner) ->
     else:
         n_cpu = config.num_cpu_blocks
     host_pool = HostPool(runner.layout, n_cpu)
-    cpu = (
-        CPUOffloadingManager(n_cpu, config.cache_policy, enable_events=True)
-        if config.cache_policy
-        else CPUOffloadingManager(n_cpu, enable_events=True)
+    cpu = CPUOffloadingManager(
+        n_cpu,
+        config.cache_policy or DEFAULT_CACHE_POLICY,
+        enable_events=config.publishes_events,
     )
     worker = OffloadingWorker.for_cpu_tier(
         runner.kv_tensors, runner.layout, host_pool, config.transfer_threads

@@ -34,7 +34,7 @@ def build_lower_tiers(
         disk_blocks=None if config.disk_bytes else config.num_disk_blocks,
         redis_url=config.redis_url,
         write_mode="write_through" if config.write_through else "write_back",
-        enable_events=True,
+        enable_events=config.publishes_events,
         num_threads=config.transfer_threads,
     )
     tiers.register(worker)
