@@ -22,6 +22,7 @@ from pathlib import Path
 from kvoffload.blocks import BlockPool, KVCacheBlock
 from kvoffload.hashing import BlockHash
 from kvoffload.offload import CPUOffloadingManager, make_offload_key
+from kvoffload.offload.cpu_manager import DEFAULT_CACHE_POLICY
 
 
 @dataclass(frozen=True)
@@ -93,11 +94,7 @@ def replay_mooncake(
     pool = BlockPool(num_gpu_blocks)
     manager = None
     if num_cpu_blocks:
-        manager = (
-            CPUOffloadingManager(num_cpu_blocks, cache_policy)
-            if cache_policy
-            else CPUOffloadingManager(num_cpu_blocks)
-        )
+        manager = CPUOffloadingManager(num_cpu_blocks, cache_policy or DEFAULT_CACHE_POLICY)
     res = ReplayResult()
     held: deque[list[KVCacheBlock]] = deque()
     for req in sorted(requests, key=lambda r: r.timestamp):

@@ -53,9 +53,10 @@ class LazyStoreWalker:
         popped = self.pool.num_allocated_total - self._allocated_seen
         self._allocated_seen = self.pool.num_allocated_total
         self.handled = max(0, self.handled - popped)
-        if self._cursor is None or self._valid(self._cursor, self._epoch):
-            if self._cursor is None:
-                self.handled = 0
+        if self._cursor is None:
+            self.handled = 0
+            return
+        if self._valid(self._cursor, self._epoch):
             return
         if self._valid(self._prev, self._prev_epoch):
             self._cursor, self._epoch = self._prev, self._prev_epoch

@@ -195,9 +195,12 @@ class OffloadingConnectorScheduler:
         if full <= start:
             return
         self._next_store_block[req_id] = full
-        groups = {self._key(block_hashes, j): j for j in range(start, full)}
         self.store_blocks(
-            req_id, [(key, request_blocks[j * f : (j + 1) * f]) for key, j in groups.items()]
+            req_id,
+            [
+                (self._key(block_hashes, j), request_blocks[j * f : (j + 1) * f])
+                for j in range(start, full)
+            ],
         )
 
     def store_blocks(
