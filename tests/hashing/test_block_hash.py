@@ -14,11 +14,16 @@ from kvoffload.hashing import (
     hash_request_tokens,
     init_none_hash,
     make_none_hash,
+    resolve_none_hash_seed,
+    sha256,
     sha256_cbor,
     xxhash64,
+    xxhash128,
+    xxhash128_cbor,
 )
+from kvoffload.hashing.block_hash import DEFAULT_NONE_HASH_SEED
 
-FNS = [sha256_cbor, xxhash64]
+FNS = [sha256, sha256_cbor, xxhash128, xxhash128_cbor, xxhash64]
 
 
 def test_sha256_cbor_is_canonical_cbor_sha256() -> None:
@@ -52,11 +57,20 @@ def test_lora_and_salt_separate_chains(fn) -> None:
     assert not set(salted) & set(salted2)
 
 
-def test_salt_only_on_first_block() -> None:
-    assert block_extra_keys(0, None, "s") == ("s",)
+def test_extra_keys_are_tagged_salt_only_on_first_block() -> None:
+    assert block_extra_keys(0, None, "s") == (("cache_salt", "s"),)
     assert block_extra_keys(1, None, "s") is None
-    assert block_extra_keys(3, "l", "s") == ("l",)
-    assert block_extra_keys(0, "l", "s") == ("l", "s")
+    assert block_extra_keys(3, "l", "s", "/p") == (("lora", "l", "/p"),)
+    assert block_extra_keys(0, "l", "s", "/p") == (("lora", "l", "/p"), ("cache_salt", "s"))
+    assert block_extra_keys(0, None, "") is None  # an empty salt is no salt
+    assert block_extra_keys(0, None, None) is None
+
+
+def test_lora_path_changes_the_chain() -> None:
+    toks = list(range(16))
+    a = hash_request_tokens(toks, 8, sha256, lora_name="l", lora_path="/a")
+    b = hash_request_tokens(toks, 8, sha256, lora_name="l", lora_path="/b")
+    assert not set(a) & set(b)
 
 
 def test_chain_first_block_uses_none_hash() -> None:
@@ -90,8 +104,28 @@ def test_incremental_equals_full_recompute(tokens, cuts, fn) -> None:
 def test_none_hash_seeded_is_reproducible(monkeypatch) -> None:
     assert make_none_hash(sha256_cbor, "42") == make_none_hash(sha256_cbor, "42")
     assert make_none_hash(sha256_cbor, "42") != make_none_hash(sha256_cbor, "43")
+    assert make_none_hash("sha256", "42") == sha256("42")  # by name too
+
+
+@pytest.mark.parametrize("fn", [sha256, sha256_cbor])
+def test_crypto_none_hash_unseeded_is_the_fixed_default(monkeypatch, fn) -> None:
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    assert make_none_hash(sha256_cbor) != make_none_hash(sha256_cbor)  # random when unseeded
+    assert resolve_none_hash_seed(fn) == DEFAULT_NONE_HASH_SEED == "vllm-none-hash"
+    assert make_none_hash(fn) == make_none_hash(fn) == fn("vllm-none-hash")
+
+
+@pytest.mark.parametrize("fn", [xxhash128, xxhash128_cbor, xxhash64])
+def test_non_crypto_none_hash_unseeded_is_random(monkeypatch, fn) -> None:
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert make_none_hash(fn) != make_none_hash(fn)
+    assert len(make_none_hash(fn)) == len(fn("x"))
+
+
+@pytest.mark.parametrize("fn", FNS)
+def test_env_seed_then_explicit_seed(monkeypatch, fn) -> None:
+    monkeypatch.setenv("PYTHONHASHSEED", "123")
+    assert make_none_hash(fn) == fn("123")
+    assert make_none_hash(fn, "9") == fn("9")  # an explicit seed wins
 
 
 def test_init_none_hash_updates_module_value() -> None:
@@ -107,8 +141,19 @@ def test_init_none_hash_updates_module_value() -> None:
 
 def test_get_hash_fn_by_name() -> None:
     assert get_hash_fn_by_name("xxhash64") is xxhash64
-    with pytest.raises(ValueError, match="known: sha256_cbor, xxhash64"):
+    assert get_hash_fn_by_name("sha256") is sha256
+    assert get_hash_fn_by_name("xxhash") is xxhash128
+    assert get_hash_fn_by_name("xxhash_cbor") is xxhash128_cbor
+    with pytest.raises(ValueError, match="known: sha256, sha256_cbor, xxhash, xxhash64"):
         get_hash_fn_by_name("md5")
+
+
+def test_sha256_is_pickle_sha256_and_xxhash_is_128_bit() -> None:
+    import pickle
+
+    obj = (b"\x01" * 32, (1, 2, 3), (("lora", "a", "/p"),))
+    assert sha256(obj) == hashlib.sha256(pickle.dumps(obj, protocol=5)).digest()
+    assert len(xxhash128(obj)) == len(xxhash128_cbor(obj)) == 16
 
 
 def test_bad_block_size() -> None:

@@ -24,7 +24,7 @@ class EngineConfig:
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 512
     kv_layout: str = "layer_first"
-    hash_fn: str = "xxhash64"
+    hash_fn: str = "sha256"  # vLLM 0.33's default: mixed fleets share hashes
     hash_seed: str = "0"
     # Offload tier
     store_mode: str = "eager"  # off | eager | lazy

@@ -1,8 +1,12 @@
-"""Chained block hashes over token ids (+ extra keys: LoRA, salt)."""
+"""Chained block hashes over token ids (+ extra keys: LoRA, salt), as vLLM 0.33 hashes them."""
 
 from kvoffload.hashing import block_hash as _block_hash
 from kvoffload.hashing.block_hash import (
+    DEFAULT_HASH_FN,
+    DEFAULT_NONE_HASH_SEED,
     HASH_FUNCTIONS,
+    NON_CRYPTO_HASH_FUNCTIONS,
+    SEED_ENV_VAR,
     BlockHash,
     BlockHasher,
     HashFunction,
@@ -12,8 +16,12 @@ from kvoffload.hashing.block_hash import (
     hash_request_tokens,
     init_none_hash,
     make_none_hash,
+    resolve_none_hash_seed,
+    sha256,
     sha256_cbor,
     xxhash64,
+    xxhash128,
+    xxhash128_cbor,
 )
 
 
@@ -25,8 +33,12 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "DEFAULT_HASH_FN",
+    "DEFAULT_NONE_HASH_SEED",
     "HASH_FUNCTIONS",
     "NONE_HASH",
+    "NON_CRYPTO_HASH_FUNCTIONS",
+    "SEED_ENV_VAR",
     "BlockHash",
     "BlockHasher",
     "HashFunction",
@@ -36,6 +48,10 @@ __all__ = [
     "hash_request_tokens",
     "init_none_hash",
     "make_none_hash",
+    "resolve_none_hash_seed",
+    "sha256",
     "sha256_cbor",
     "xxhash64",
+    "xxhash128",
+    "xxhash128_cbor",
 ]
