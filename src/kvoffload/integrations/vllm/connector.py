@@ -1,0 +1,122 @@
+"""``KVOffloadConnector``: vLLM's offloading connector with ``KVOffloadSpec`` preselected.
+
+Beyond the stock connector it wires vLLM 0.33's load-failure recovery: the
+worker reports a failed load's GPU blocks through
+``get_block_ids_with_load_errors`` (vLLM recomputes them under
+``kv_load_failure_policy="recompute"``) and the failed jobs' tags travel to
+the scheduler side in the worker metadata, so the manager drops what the
+failed job touched instead of offering it again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.v1.outputs import KVConnectorOutput
+
+from kvoffload.integrations.vllm.manager import KVOffloadManager
+from kvoffload.integrations.vllm.settings import KVOffloadConfigError
+from kvoffload.integrations.vllm.spec import KVOffloadSpec
+from kvoffload.integrations.vllm.worker import KVOffloadWorker
+
+SPEC_NAME = "KVOffloadSpec"
+SPEC_MODULE = "kvoffload.integrations.vllm"
+
+
+@dataclass
+class KVOffloadWorkerMetadata(OffloadingWorkerMetadata):
+    """vLLM's worker metadata plus the tags of the manager jobs that failed."""
+
+    failed_ops: set[int] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        merged = super().aggregate(other)
+        assert isinstance(merged, OffloadingWorkerMetadata)
+        failed = set(self.failed_ops)
+        if isinstance(other, KVOffloadWorkerMetadata):
+            failed |= other.failed_ops
+        return KVOffloadWorkerMetadata(
+            completed_jobs=merged.completed_jobs,
+            transfer_stats=merged.transfer_stats,
+            failed_ops=failed,
+        )
+
+
+def select_spec(extra_config: dict[str, Any]) -> None:
+    """Point ``extra_config`` at ``KVOffloadSpec``; another spec is a start-up error."""
+    for key, value in (("spec_name", SPEC_NAME), ("spec_module_path", SPEC_MODULE)):
+        given = extra_config.get(key, value)
+        if given != value:
+            raise KVOffloadConfigError(
+                f"kv_connector_extra_config[{key!r}]: KVOffloadConnector uses {value!r}, "
+                f"got {given!r} (use vLLM's OffloadingConnector for other specs)"
+            )
+        extra_config[key] = value
+
+
+class KVOffloadConnector(OffloadingConnector):
+    """``"kv_connector": "KVOffloadConnector"``, ``"kv_connector_module_path":
+    "kvoffload.integrations.vllm"``; extra-config keys as ``KVOffloadSpec``'s."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+        transfer = vllm_config.kv_transfer_config
+        if transfer.kv_connector_extra_config is None:
+            transfer.kv_connector_extra_config = {}
+        select_spec(transfer.kv_connector_extra_config)
+        super().__init__(vllm_config, role, kv_cache_config)
+        if self.connector_worker is not None:
+            spec = self.connector_worker.spec
+            assert isinstance(spec, KVOffloadSpec)
+            spec.recover_failed_loads = True
+
+    # -- worker side -------------------------------------------------------------
+
+    @property
+    def kvoffload_worker(self) -> KVOffloadWorker | None:
+        """The worker running this connector's transfers (after ``register_kv_caches``)."""
+        if self.connector_worker is None:
+            return None
+        worker = self.connector_worker.worker
+        return worker if isinstance(worker, KVOffloadWorker) else None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        worker = self.kvoffload_worker
+        return worker.take_load_error_blocks() if worker is not None else set()
+
+    def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
+        meta = super().build_connector_worker_meta()
+        worker = self.kvoffload_worker
+        failed = worker.take_failed_ops() if worker is not None else set()
+        if not failed:
+            return meta
+        base = meta if meta is not None else OffloadingWorkerMetadata()
+        return KVOffloadWorkerMetadata(
+            completed_jobs=base.completed_jobs,
+            transfer_stats=base.transfer_stats,
+            failed_ops=failed,
+        )
+
+    # -- scheduler side ----------------------------------------------------------
+
+    @property
+    def kvoffload_manager(self) -> KVOffloadManager | None:
+        """The scheduler side's manager adapter."""
+        if self.connector_scheduler is None:
+            return None
+        manager = self.connector_scheduler.manager
+        return manager if isinstance(manager, KVOffloadManager) else None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        manager = self.kvoffload_manager
+        if isinstance(meta, KVOffloadWorkerMetadata) and manager is not None:
+            manager.note_failed(meta.failed_ops)
+        super().update_connector_output(connector_output)

@@ -1,0 +1,283 @@
+"""vLLM 0.33's scheduler-side ``OffloadingManager`` over a kvoffload manager.
+
+vLLM asks about one key at a time (``lookup(key, ctx)``) and answers with a
+``LookupResult``; kvoffload's managers answer for a run of keys. The mapping:
+
+- ``HIT``: the CPU tier holds the block, or a lower tier (disk, Redis) holds
+  it and the CPU tier has room to promote it (with the other lower-tier hits
+  this request has been told about). A lower-tier block is promoted inside
+  the load job: the worker reads it, verifies it (the disk and Redis stores
+  check a checksum and the key of every block), writes it into a CPU slot,
+  then copies it to the GPU. The GPU blocks are reported loaded only after
+  that; a read that fails verification fails the job (see ``worker``).
+- ``HIT_PENDING``: the block is being written into the CPU tier (a store in
+  flight, or another request's load promoting it there): found, not
+  readable yet. vLLM retries the request next step.
+- ``RETRY``: the CPU tier evicted the block and its write-down to a lower
+  tier is still in flight: no tier can serve it this instant, but one will.
+- ``MISS``: no tier has it, or the CPU tier has no room to promote it (all
+  slots pinned by loads and stores in flight), as vLLM's own tiering does.
+
+vLLM completes jobs by key *set* (``complete_load(set(keys))``); kvoffload's
+tiered manager matches a completion to its ``prepare_*`` call by key order.
+Each prepared job is recorded under its ``frozenset`` so that the ordered
+keys and the job's outcome can be passed on. The outcome comes from the
+worker through ``note_failed`` (``KVOffloadConnector`` forwards it); without
+it every job counts as successful, which vLLM's stock connector guarantees
+anyway by asserting on every transfer result.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Collection, Iterable, Iterator
+from dataclasses import dataclass, field
+from itertools import count
+
+from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+
+from kvoffload.offload import CPULoadStoreSpec, CPUOffloadingManager
+from kvoffload.offload import OffloadingManager as KVOffloadingManager
+from kvoffload.offload.lower_tier import DISK_MEDIUM, REMOTE_MEDIUM
+from kvoffload.offload.tiered_manager import TieredOffloadingManager
+
+#: kvoffload medium -> (vLLM medium, locality, ownership) in vLLM's KV events.
+#: The CPU tier is vLLM's primary tier (no ownership); lower tiers are
+#: secondary tiers named by their kvoffload medium.
+EVENT_MEDIA: dict[str, tuple[Medium, Locality | None, str | None]] = {
+    "CPU": (Medium.CPU, None, None),
+    DISK_MEDIUM: (Medium.STORAGE, Locality.LOCAL, DISK_MEDIUM),
+    REMOTE_MEDIUM: (Medium.STORAGE, Locality.REMOTE, REMOTE_MEDIUM),
+}
+
+
+class KVOffloadJobSpec(LoadStoreSpec):
+    """What vLLM carries from the manager to the worker: kvoffload's spec and a job tag.
+
+    ``op_id`` names the ``prepare_load``/``prepare_store`` call, so the worker
+    can report which one failed.
+    """
+
+    def __init__(self, inner: object, op_id: int) -> None:
+        self.inner = inner
+        self.op_id = op_id
+
+    def __repr__(self) -> str:
+        return f"KVOffloadJobSpec(op={self.op_id}, {self.inner!r})"
+
+
+@dataclass
+class _Op:
+    op_id: int
+    keys: list[OffloadKey]
+
+
+@dataclass
+class _RequestLookups:
+    """Lower-tier keys this request was told are HITs: each needs a CPU slot to load."""
+
+    promotions: set[OffloadKey] = field(default_factory=set)
+
+
+class KVOffloadManager(OffloadingManager):
+    """vLLM's manager API over kvoffload's ``CPUOffloadingManager`` or ``TieredOffloadingManager``.
+
+    ``store_threshold`` (vLLM's meaning): a block is stored only once it has
+    been offered that many times (< 2: always); offers are counted for the
+    ``max_tracker_size`` most recently offered keys.
+    """
+
+    def __init__(
+        self,
+        inner: KVOffloadingManager,
+        store_threshold: int = 0,
+        max_tracker_size: int = 64_000,
+    ) -> None:
+        self.inner = inner
+        self.tiered = inner if isinstance(inner, TieredOffloadingManager) else None
+        cpu = inner.cpu if isinstance(inner, TieredOffloadingManager) else inner
+        if not isinstance(cpu, CPUOffloadingManager):
+            raise TypeError(f"expected a CPU or tiered kvoffload manager, got {type(inner)}")
+        self.cpu = cpu
+        self.store_threshold = store_threshold
+        self.max_tracker_size = max_tracker_size
+        self._offers: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._op_ids = count()
+        self._loads: dict[frozenset[OffloadKey], deque[_Op]] = {}
+        self._stores: dict[frozenset[OffloadKey], deque[_Op]] = {}
+        self._failed: set[int] = set()
+        self.failed_loads = 0
+        self.failed_stores = 0
+
+    # -- lookups ---------------------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        cpu = self.cpu
+        if cpu.is_stored(key):
+            return LookupResult.HIT
+        if cpu.is_storing(key):
+            return LookupResult.HIT_PENDING
+        if self.tiered is None:
+            return LookupResult.MISS
+        writing_down = False
+        for tier in self.tiered.lower:
+            if tier.stored_mask([key])[0]:
+                return self._promotable(key, req_context)
+            slot_of = getattr(tier, "slot_of", None)
+            if slot_of is not None and slot_of(key) is not None:
+                writing_down = True
+        return LookupResult.RETRY if writing_down else LookupResult.MISS
+
+    def _promotable(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        state = req_context.get_state(_RequestLookups)
+        if state is None:
+            state = _RequestLookups()
+            req_context.set_state(state)
+        wanted = state.promotions | {key}
+        room = self.cpu.num_free_blocks() + self.cpu.num_evictable_blocks()
+        if len(wanted) > room:
+            return LookupResult.MISS
+        state.promotions = wanted
+        return LookupResult.HIT
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        ordered = list(keys)
+        state = req_context.get_state(_RequestLookups)
+        if state is not None:
+            state.promotions.difference_update(ordered)
+        inner = self.inner.prepare_load(ordered)
+        op = _Op(next(self._op_ids), ordered)
+        self._loads.setdefault(frozenset(ordered), deque()).append(op)
+        return KVOffloadJobSpec(inner, op.op_id)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.inner.touch(list(keys))
+
+    def note_failed(self, op_ids: Iterable[int]) -> None:
+        """Jobs the worker could not complete (reported before their ``complete_*`` call)."""
+        self._failed.update(op_ids)
+
+    def _pop(
+        self, table: dict[frozenset[OffloadKey], deque[_Op]], keys: Collection[OffloadKey]
+    ) -> tuple[_Op | None, bool]:
+        key_set = frozenset(keys)
+        queue = table.get(key_set)
+        if not queue:
+            return None, True
+        # Of equal key sets in flight, settle a failed one first: vLLM
+        # completes jobs by key set, and only a failure changes the outcome.
+        op = next((o for o in queue if o.op_id in self._failed), queue[0])
+        queue.remove(op)
+        if not queue:
+            del table[key_set]
+        ok = op.op_id not in self._failed
+        self._failed.discard(op.op_id)
+        return op, ok
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        op, ok = self._pop(self._loads, keys)
+        if op is None:
+            raise ValueError(f"complete_load of {len(keys)} keys that no prepare_load pinned")
+        if not ok:
+            self.failed_loads += 1
+        if self.tiered is not None:
+            self.tiered.complete_load(op.keys, success=ok)
+        else:
+            self.cpu.complete_load(op.keys)
+
+    # -- stores ----------------------------------------------------------------
+
+    def _eligible(self, keys: list[OffloadKey]) -> list[OffloadKey]:
+        if self.store_threshold < 2:
+            return keys
+        out = []
+        for key in keys:
+            if self.cpu.is_stored(key) or self.cpu.is_storing(key):
+                out.append(key)
+                continue
+            n = self._offers.pop(key, 0) + 1
+            self._offers[key] = n
+            if len(self._offers) > self.max_tracker_size:
+                self._offers.popitem(last=False)
+            if n >= self.store_threshold:
+                out.append(key)
+        return out
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        ordered = self._eligible(list(dict.fromkeys(keys)))
+        if not ordered:
+            return PrepareStoreOutput([], KVOffloadJobSpec(CPULoadStoreSpec([]), -1), [])
+        out = self.inner.prepare_store(ordered)
+        if out is None:
+            return None
+        stored = list(out.keys_to_store)
+        if stored:
+            op = _Op(next(self._op_ids), stored)
+            self._stores.setdefault(frozenset(stored), deque()).append(op)
+            spec = KVOffloadJobSpec(out.store_spec, op.op_id)
+        else:
+            spec = KVOffloadJobSpec(out.store_spec, -1)
+        return PrepareStoreOutput(stored, spec, list(out.evicted_keys))
+
+    def complete_store(
+        self,
+        keys: Collection[OffloadKey],
+        req_context: ReqContext,
+        success: bool = True,
+    ) -> None:
+        op, ok = self._pop(self._stores, keys)
+        if op is None:
+            # vLLM may complete keys that were already stored: nothing to settle.
+            return
+        ok = ok and success
+        if not ok:
+            self.failed_stores += 1
+        self.inner.complete_store(op.keys, success=ok)
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        state = req_context.get_state(_RequestLookups)
+        if state is not None:
+            state.promotions.clear()
+
+    def take_events(self) -> Iterator[OffloadingEvent]:
+        for ev in self.inner.take_events():
+            medium, locality, ownership = EVENT_MEDIA.get(
+                ev.medium, (Medium.STORAGE, Locality.LOCAL, ev.medium)
+            )
+            yield OffloadingEvent(
+                keys=list(ev.keys),
+                medium=medium,
+                removed=ev.removed,
+                locality=locality,
+                ownership=ownership,
+            )
+
+    def reset_cache(self) -> None:
+        reset = getattr(self.inner, "reset_cache", None)
+        if reset is not None:
+            reset()
+        self._offers.clear()
+
+    def num_in_flight(self) -> int:
+        """Loads and stores prepared whose ``complete_*`` has not come yet."""
+        return sum(len(q) for q in self._loads.values()) + sum(
+            len(q) for q in self._stores.values()
+        )

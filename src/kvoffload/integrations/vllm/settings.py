@@ -1,0 +1,193 @@
+"""``kv_connector_extra_config`` for kvoffload inside vLLM: parsed and checked at start-up.
+
+kvoffload's keys:
+
+- ``cpu_bytes``: the CPU tier's budget, an int or a size such as "64GiB";
+- ``cache_policy``: the CPU tier's eviction policy (kvoffload's names);
+- ``disk_dir`` / ``disk_bytes``: a disk tier below the CPU tier;
+- ``redis_url``: a shared Redis/Valkey tier below that;
+- ``write_through``: write every stored block down to the lower tiers at
+  once (default: only blocks the CPU tier evicts, "write back").
+
+vLLM's own keys keep vLLM's meaning: ``cpu_bytes_to_use`` (= ``cpu_bytes``),
+``eviction_policy`` (= ``cache_policy``), ``block_size`` / ``blocks_per_chunk``
+(tokens / GPU blocks per offloaded block, read by vLLM itself),
+``store_threshold`` and ``max_tracker_size`` (store a block only once it has
+been offered that many times), and the connector's ``spec_name``,
+``spec_module_path``, ``offload_prompt_only``, ``self_describing_kv_events``,
+``sync_load_budget_bytes``. Anything else is an error naming the key, raised
+before the engine serves: a typo must not silently run without offloading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvoffload.offload.cpu_manager import DEFAULT_CACHE_POLICY
+from kvoffload.offload.policies import policy_names
+from kvoffload.transfer.sizing import parse_bytes
+
+KVOFFLOAD_KEYS: tuple[str, ...] = (
+    "cpu_bytes",
+    "cache_policy",
+    "disk_dir",
+    "disk_bytes",
+    "redis_url",
+    "write_through",
+)
+#: Keys vLLM's offloading connector or CPU spec reads; accepted with vLLM's meaning.
+VLLM_KEYS: tuple[str, ...] = (
+    "spec_name",
+    "spec_module_path",
+    "cpu_bytes_to_use",
+    "eviction_policy",
+    "block_size",
+    "blocks_per_chunk",
+    "store_threshold",
+    "max_tracker_size",
+    "offload_prompt_only",
+    "self_describing_kv_events",
+    "sync_load_budget_bytes",
+    "canonical_layout",
+)
+#: vLLM CPU-spec keys kvoffload cannot honour; named in the error instead of ignored.
+UNSUPPORTED_KEYS: dict[str, str] = {
+    "cache_policy_module_path": "custom vLLM policy modules are not supported; set "
+    "cache_policy to one of kvoffload's policies",
+}
+
+
+class KVOffloadConfigError(ValueError):
+    """A bad ``kv_connector_extra_config``; the message is one line naming the key."""
+
+
+@dataclass(frozen=True)
+class KVOffloadSettings:
+    """The checked extra config."""
+
+    cpu_bytes: int
+    cache_policy: str = DEFAULT_CACHE_POLICY
+    disk_dir: str | None = None
+    disk_bytes: int | None = None
+    redis_url: str | None = None
+    write_through: bool = False
+    store_threshold: int = 0
+    max_tracker_size: int = 64_000
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        return self.disk_dir is not None or self.redis_url is not None
+
+
+def _fail(key: str, why: str) -> KVOffloadConfigError:
+    return KVOffloadConfigError(f"kv_connector_extra_config[{key!r}]: {why}")
+
+
+def _size(key: str, value: Any) -> int:
+    try:
+        return parse_bytes(value)
+    except ValueError as exc:
+        raise _fail(key, str(exc)) from None
+
+
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise _fail(key, f"expected true or false, got {value!r}")
+
+
+def _nonneg_int(key: str, value: Any) -> int:
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise _fail(key, f"expected an int, got {value!r}") from None
+    if isinstance(value, bool) or n < 0 or (isinstance(value, float) and value != n):
+        raise _fail(key, f"expected an int >= 0, got {value!r}")
+    return n
+
+
+def _one_of(config: Mapping[str, Any], ours: str, theirs: str) -> tuple[str, Any] | None:
+    if ours in config and theirs in config:
+        raise _fail(theirs, f"give {ours!r} or vLLM's {theirs!r}, not both")
+    if ours in config:
+        return ours, config[ours]
+    if theirs in config:
+        return theirs, config[theirs]
+    return None
+
+
+def parse_settings(config: Mapping[str, Any]) -> KVOffloadSettings:
+    """Check ``config`` (``kv_connector_extra_config``); ``KVOffloadConfigError`` names the key."""
+    known = set(KVOFFLOAD_KEYS) | set(VLLM_KEYS)
+    for key in config:
+        if key in UNSUPPORTED_KEYS:
+            raise _fail(key, UNSUPPORTED_KEYS[key])
+        if key not in known:
+            raise _fail(
+                key,
+                "unknown key; kvoffload takes "
+                + ", ".join(KVOFFLOAD_KEYS)
+                + " and vLLM's "
+                + ", ".join(VLLM_KEYS),
+            )
+    cpu = _one_of(config, "cpu_bytes", "cpu_bytes_to_use")
+    if cpu is None:
+        raise _fail("cpu_bytes", 'missing: the CPU tier\'s budget, e.g. "64GiB"')
+    cpu_bytes = _size(*cpu)
+    policy = _one_of(config, "cache_policy", "eviction_policy")
+    cache_policy = DEFAULT_CACHE_POLICY
+    if policy is not None:
+        key, value = policy
+        names = policy_names()
+        if not isinstance(value, str) or value not in names:
+            raise _fail(key, f"unknown policy {value!r}; known: {', '.join(names)}")
+        cache_policy = value
+    disk_dir = config.get("disk_dir")
+    if disk_dir is not None and (not isinstance(disk_dir, str) or not disk_dir.strip()):
+        raise _fail("disk_dir", f"expected a directory path, got {disk_dir!r}")
+    disk_bytes = None
+    if "disk_bytes" in config:
+        if disk_dir is None:
+            raise _fail("disk_bytes", "needs disk_dir")
+        disk_bytes = _size("disk_bytes", config["disk_bytes"])
+    elif disk_dir is not None:
+        raise _fail("disk_bytes", 'missing: the disk tier\'s budget, e.g. "500GiB"')
+    redis_url = config.get("redis_url")
+    if redis_url is not None and (
+        not isinstance(redis_url, str)
+        or not redis_url.startswith(("redis://", "rediss://", "unix://"))
+    ):
+        raise _fail("redis_url", f"expected redis://host:port[/db], got {redis_url!r}")
+    write_through = _bool("write_through", config.get("write_through", False))
+    if write_through and disk_dir is None and redis_url is None:
+        raise _fail("write_through", "needs a lower tier (disk_dir or redis_url)")
+    for key in ("offload_prompt_only", "self_describing_kv_events"):
+        if key in config:
+            _bool(key, config[key])
+    if "canonical_layout" in config and _bool("canonical_layout", config["canonical_layout"]):
+        raise _fail("canonical_layout", "kvoffload stores each worker's pages as they are")
+    for key in ("block_size", "blocks_per_chunk"):
+        if key in config and _nonneg_int(key, config[key]) == 0:
+            raise _fail(key, "must be positive")
+    if "sync_load_budget_bytes" in config:
+        _nonneg_int("sync_load_budget_bytes", config["sync_load_budget_bytes"])
+    store_threshold = _nonneg_int("store_threshold", config.get("store_threshold", 0))
+    max_tracker_size = _nonneg_int("max_tracker_size", config.get("max_tracker_size", 64_000))
+    if max_tracker_size == 0:
+        raise _fail("max_tracker_size", "must be positive")
+    return KVOffloadSettings(
+        cpu_bytes=cpu_bytes,
+        cache_policy=cache_policy,
+        disk_dir=disk_dir,
+        disk_bytes=disk_bytes,
+        redis_url=redis_url,
+        write_through=write_through,
+        store_threshold=store_threshold,
+        max_tracker_size=max_tracker_size,
+    )

@@ -1,0 +1,199 @@
+"""vLLM 0.33's worker-side ``OffloadingWorker`` over kvoffload's transfer layer.
+
+vLLM hands over its KV cache as ``CanonicalKVCaches``: int8 byte planes
+``(num_blocks, page_bytes)`` whose row ``b`` is block ``b``. kvoffload copies
+block rows between plane sets of one ``KVLayout``, so the planes are seen as
+a ``kv_split`` layout of ``uint8`` "layers" (one per plane, each row split in
+two halves standing in for K and V): every byte of every row is copied, bit
+for bit, whatever the model's dtype. The CPU tier's ``HostPool`` uses the same
+layout. On a GPU the copies run on CUDA streams into page-locked memory; on a
+CPU-only machine (CI) the same worker runs the same jobs with a thread pool.
+
+Failures. vLLM 0.33's offloading worker asserts ``success`` on every transfer
+result, so a failed job would stop the engine. When the connector offers
+recovery (``KVOffloadConnector`` does: ``recover_failed_loads``), a failed
+load is reported successful to vLLM, its GPU block ids are handed to vLLM's
+load-failure recovery (``get_block_ids_with_load_errors``: the scheduler
+recomputes those blocks with ``kv_load_failure_policy="recompute"``, or fails
+the request with the default ``"fail"``) and the job's tag goes back to the
+scheduler side, which drops the promoted and lower-tier copies involved. A
+failed store is reported successful too: its keys are dropped and never
+offered. Without recovery (vLLM's stock connector) a failed job is reported
+failed, and vLLM stops on its assertion rather than serve a block whose KV
+was never written.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+
+from kvoffload.integrations.vllm.manager import KVOffloadJobSpec
+from kvoffload.offload import GPULoadStoreSpec as KVGPUSpec
+from kvoffload.transfer import HostPool, KVGeometry, KVLayout
+from kvoffload.transfer.tiers import LowerTiers
+from kvoffload.transfer.worker import OffloadingWorker as KVWorker
+from kvoffload.transfer.worker import make_cpu_gpu_handler
+
+logger = logging.getLogger(__name__)
+
+GPU, CPU = "GPU", "CPU"
+
+
+def plane_layout(kv_caches: CanonicalKVCaches) -> tuple[KVLayout, list[torch.Tensor], int]:
+    """A ``kv_split`` uint8 layout for vLLM's block planes, the planes viewed in it, num_blocks.
+
+    All planes must have the same row size (a model whose layers share one
+    page size: every dense or GQA transformer); anything else is refused.
+    """
+    tensors = [t.tensor for t in kv_caches.tensors]
+    if not tensors:
+        raise ValueError("vLLM registered no KV cache tensors to offload")
+    rows = {int(t.shape[1]) for t in tensors}
+    blocks = {int(t.shape[0]) for t in tensors}
+    if len(rows) != 1 or len(blocks) != 1:
+        raise ValueError(
+            f"kvoffload needs KV planes of one page size, got pages {sorted(rows)} "
+            f"and block counts {sorted(blocks)}"
+        )
+    row, num_blocks = rows.pop(), blocks.pop()
+    if row % 2:
+        raise ValueError(f"KV page of {row} bytes is not even")
+    geometry = KVGeometry(
+        num_layers=len(tensors),
+        num_kv_heads=1,
+        head_size=row // 2,
+        block_size=1,
+        dtype=torch.uint8,
+    )
+    layout = KVLayout(geometry, "kv_split")
+    views = [t.view(torch.uint8).view(num_blocks, 2, 1, 1, row // 2) for t in tensors]
+    layout.num_blocks_of(views)
+    return layout, views, num_blocks
+
+
+@dataclass
+class _Job:
+    op_id: int
+    gpu_block_ids: list[int]
+    is_load: bool
+
+
+class KVOffloadWorker(OffloadingWorker):
+    """Runs vLLM's transfer jobs on a kvoffload ``OffloadingWorker``.
+
+    ``lower``: the disk/Redis tiers under the CPU tier, if any (their handlers
+    get registered here). ``recover_failed_loads``: see the module docstring.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        gpu_tensors: list[torch.Tensor],
+        host_pool: HostPool,
+        lower: LowerTiers | None = None,
+        recover_failed_loads: bool = False,
+        num_threads: int = 2,
+    ) -> None:
+        self.layout = layout
+        self.host_pool = host_pool
+        self.lower = lower
+        self.recover_failed_loads = recover_failed_loads
+        self.worker = KVWorker()
+        handler = make_cpu_gpu_handler(gpu_tensors, layout, host_pool, num_threads)
+        self.worker.register_handler(GPU, CPU, handler)
+        self.worker.register_handler(CPU, GPU, handler)
+        if lower is not None:
+            lower.register(self.worker)
+        self._jobs: dict[int, _Job] = {}
+        self._load_error_blocks: set[int] = set()
+        self._failed_ops: set[int] = set()
+        self.bytes_loaded = 0
+        self.bytes_stored = 0
+        self.failed_jobs = 0
+
+    @staticmethod
+    def _gpu(spec: GPULoadStoreSpec) -> KVGPUSpec:
+        if len(spec.group_sizes) != 1:
+            raise ValueError(f"kvoffload offloads one KV cache group, got {len(spec.group_sizes)}")
+        return KVGPUSpec(spec.block_ids)
+
+    @staticmethod
+    def _inner(spec: LoadStoreSpec) -> tuple[object, int]:
+        if not isinstance(spec, KVOffloadJobSpec):
+            raise TypeError(f"expected a kvoffload job spec, got {type(spec).__name__}")
+        return spec.inner, spec.op_id
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        inner, op_id = self._inner(dst_spec)
+        self._jobs[job_id] = _Job(op_id, [], False)
+        self.worker.submit_store(job_id, (self._gpu(src_spec), inner))  # type: ignore[arg-type]
+        return True
+
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        # kvoffload's handlers run jobs in submission order per thread; an
+        # expedited load is waited on by vLLM within the step either way.
+        inner, op_id = self._inner(src_spec)
+        gpu = self._gpu(dst_spec)
+        self._jobs[job_id] = _Job(op_id, gpu.block_ids.tolist(), True)
+        self.worker.submit_load(job_id, (inner, gpu))  # type: ignore[arg-type]
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        out: list[TransferResult] = []
+        for r in self.worker.get_finished():
+            job = self._jobs.pop(r.job_id, None)
+            success = r.success
+            if not success:
+                self.failed_jobs += 1
+                kind = "load" if job is not None and job.is_load else "store"
+                logger.warning("kvoffload: %s job %d failed: %s", kind, r.job_id, r.error)
+                if job is not None and self.recover_failed_loads:
+                    self._failed_ops.add(job.op_id)
+                    if job.is_load:
+                        self._load_error_blocks.update(job.gpu_block_ids)
+                    success = True
+            elif job is not None and job.is_load:
+                self.bytes_loaded += r.num_bytes
+            else:
+                self.bytes_stored += r.num_bytes
+            out.append(TransferResult(r.job_id, success, r.num_bytes, r.seconds))
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        self.worker.wait(job_ids)
+
+    def take_load_error_blocks(self) -> set[int]:
+        """GPU block ids whose load failed since the last call (vLLM recomputes them)."""
+        out, self._load_error_blocks = self._load_error_blocks, set()
+        return out
+
+    def take_failed_ops(self) -> set[int]:
+        """Tags of the manager's jobs that failed since the last call."""
+        out, self._failed_ops = self._failed_ops, set()
+        return out
+
+    def num_in_flight(self) -> int:
+        return self.worker.num_in_flight()
+
+    def shutdown(self) -> None:
+        self.worker.close()
+        if self.lower is not None:
+            self.lower.close()
