@@ -220,3 +220,24 @@ def test_alloc_epoch_counts_every_exit_from_the_free_queue() -> None:
     pool.touch([blk])  # already in use: not an exit from the queue
     assert blk.alloc_epoch == 2
     assert pool.num_allocated_total == 1
+
+
+def test_freed_empty_block_goes_to_front_cached_to_tail() -> None:
+    """vLLM 0.33: an allocation takes a freed empty block before evicting a cached one."""
+    pool = BlockPool(6)
+    cached = alloc_and_cache(pool, list(range(8)))  # blocks 1, 2: cached
+    (partial,) = pool.get_new_blocks(1)  # block 3: a partial tail, never cached
+    pool.free_request_blocks([*cached, partial])
+    order = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    assert order == [3, 4, 5, 2, 1]
+    assert pool.num_prepended_total == 1
+    (again,) = pool.get_new_blocks(1)
+    assert again is partial
+    assert all(pool.get_cached_block(h) is not None for h in hashes(list(range(8))))
+
+
+def test_caching_disabled_frees_to_front() -> None:
+    pool = BlockPool(5, enable_caching=False)
+    a, b = pool.get_new_blocks(2)
+    pool.free_blocks([a, b])
+    assert [x.block_id for x in pool.free_block_queue.get_all_free_blocks()] == [1, 2, 3, 4]

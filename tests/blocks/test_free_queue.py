@@ -144,3 +144,29 @@ def test_empty_queue_iter_is_empty() -> None:
     _, q = make(0)
     assert list(q.iter_blocks_after(None)) == []
     assert len(q) == 0
+
+
+def test_prepend_n_puts_blocks_at_front_in_order() -> None:
+    blocks, q = make(6)
+    taken = q.popleft_n(3)  # 0, 1, 2 out; 3, 4, 5 left
+    q.prepend_n([taken[2], taken[0]])
+    assert ids(q.get_all_free_blocks()) == [2, 0, 3, 4, 5]
+    assert q.num_free_blocks == 5
+    assert q.popleft() is blocks[2]
+    q.prepend_n([])
+    assert ids(q.get_all_free_blocks()) == [0, 3, 4, 5]
+
+
+def test_prepend_n_into_empty_queue_and_rejects_members_without_change() -> None:
+    blocks, q = make(3)
+    q.popleft_n(3)
+    q.prepend_n([blocks[1]])
+    assert ids(q.get_all_free_blocks()) == [1]
+    with pytest.raises(ValueError):
+        q.prepend_n([blocks[0], blocks[1]])  # 1 is a member: nothing changes
+    with pytest.raises(ValueError):
+        q.prepend_n([blocks[0], blocks[0]])
+    assert ids(q.get_all_free_blocks()) == [1]
+    assert blocks[0].prev_free_block is None
+    q.append(blocks[2])
+    assert ids(list(q.iter_blocks_after(None))) == [1, 2]

@@ -149,3 +149,18 @@ def test_lazy_scheduler_end_to_end_room_and_window() -> None:
     assert list(job.src.block_ids) == [4, 5, 6]
     h.conn.update_connector_output([Result(job.job_id)])
     h.assert_nothing_held()
+
+
+def test_empty_blocks_freed_to_front_count_as_handled() -> None:
+    """Freed empty blocks go before the cursor: the window already covers them."""
+    pool = BlockPool(8)
+    empty = pool.get_new_blocks(2)  # blocks 1, 2: in use, nothing cached
+    cached_free_blocks(pool, 5)  # blocks 3..7 cached, free: the whole queue
+    walker = LazyStoreWalker(pool)
+    walker.walk(2, 10, lambda b: False)
+    assert walker.handled == 2 and walker.cursor is not None and walker.cursor.block_id == 4
+    pool.free_blocks(empty)  # both to the front: 1, 2, 3, 4 | 5, 6, 7
+    seen: list[int] = []
+    walker.walk(5, 10, lambda b: seen.append(b.block_id) or False)
+    assert walker.handled == 5
+    assert seen == [5]  # nothing before the cursor is walked again

@@ -7,10 +7,12 @@ A block is in one of three states:
 - free and empty: ``ref_cnt == 0``, no hash.
 
 Eviction order is the free queue's order: ``get_new_blocks`` takes blocks from
-its front and evicts whatever hash they still carry. Callers free a request's
-blocks tail first (``free_request_blocks`` does it), so within a chain the
-last block is evicted before its parents: a kept head is still a usable
-prefix, a kept tail without its head is not.
+its front and evicts whatever hash they still carry. Freed empty blocks go to
+the front and freed cached blocks to the tail (as vLLM 0.33's pool does), so
+an allocation reuses blocks that hold nothing before it evicts any cached
+one. Callers free a request's blocks tail first (``free_request_blocks`` does
+it), so within a chain the last block is evicted before its parents: a kept
+head is still a usable prefix, a kept tail without its head is not.
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.kv_event_queue: list[KVEvent] = []
-        # Blocks handed out from the queue's front since start: lets a lazy
-        # offloader know how far the front advanced without walking it.
+        # Blocks taken from / put at the queue's front since start: lets a lazy
+        # offloader know how far the front moved without walking it.
         self.num_allocated_total = 0
+        self.num_prepended_total = 0
 
     # -- prefix cache -------------------------------------------------------
 
@@ -177,16 +180,23 @@ class BlockPool:
 
         ``ordered_blocks`` is in eviction order: the first one that becomes free
         is evicted first. For one request's blocks that is tail first; see
-        ``free_request_blocks``.
+        ``free_request_blocks``. Freed blocks that hold no cached hash (or all
+        of them, with caching off) go to the queue's front, in that order,
+        ahead of every cached block; cached ones go to the tail.
         """
-        freed: list[KVCacheBlock] = []
+        cached: list[KVCacheBlock] = []
+        empty: list[KVCacheBlock] = []
+        caching = self.enable_caching
         for block in ordered_blocks:
             if block.ref_cnt <= 0:
                 raise ValueError(f"free_blocks: {block!r} is not in use")
             block.ref_cnt -= 1
             if block.ref_cnt == 0 and not block.is_null:
-                freed.append(block)
-        self.free_block_queue.append_n(freed)
+                (cached if caching and block.block_hash is not None else empty).append(block)
+        if empty:
+            self.free_block_queue.prepend_n(empty)
+            self.num_prepended_total += len(empty)
+        self.free_block_queue.append_n(cached)
 
     def free_request_blocks(self, request_blocks: Sequence[KVCacheBlock]) -> None:
         """Free one request's blocks (given head first) so its tail is evicted first."""

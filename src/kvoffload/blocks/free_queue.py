@@ -6,8 +6,10 @@ blocks themselves, so remove is O(1) and no node object is allocated per
 operation (a ``deque`` would need an O(n) remove, a node list an allocation).
 
 Invariants:
-- Order is eviction order: the front is evicted first. Freed blocks enter at
-  the tail, so the least recently freed block is evicted first.
+- Order is eviction order: the front is evicted first. Freed cached blocks
+  enter at the tail (``append_n``), so the least recently freed is evicted
+  first; freed blocks with nothing cached enter at the front (``prepend_n``),
+  so they are reused before any cached block is evicted.
 - A block is in the queue iff its ``prev_free_block`` is not None (with two
   sentinels every member has both neighbours); removed blocks get both links
   cleared, which is what makes membership an O(1) check.
@@ -107,6 +109,34 @@ class FreeKVCacheBlockQueue:
             last.next_free_block = self._tail  # type: ignore[union-attr]
             self._tail.prev_free_block = last
             self.num_free_blocks += n
+
+    def prepend_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Put ``blocks`` at the front, in order (the first given is evicted first).
+
+        Checks first, so a bad call changes nothing.
+        """
+        blocks = list(blocks)
+        seen: set[int] = set()
+        for block in blocks:
+            if (
+                block.prev_free_block is not None
+                or block is self._head
+                or block is self._tail
+                or id(block) in seen
+            ):
+                raise ValueError(f"prepend_n(): {block!r} is already in the free block queue")
+            seen.add(id(block))
+        if not blocks:
+            return
+        prev = self._head
+        first = prev.next_free_block
+        for block in blocks:
+            prev.next_free_block = block
+            block.prev_free_block = prev
+            prev = block
+        prev.next_free_block = first
+        first.prev_free_block = prev  # type: ignore[union-attr]
+        self.num_free_blocks += len(blocks)
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """All free blocks in eviction order (O(n): for tests and debugging)."""

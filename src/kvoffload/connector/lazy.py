@@ -10,7 +10,9 @@ so each free block is looked at about once, however long it stays free.
 Cursor rules (the walk must neither skip part of the queue nor rescan it):
 - ``handled`` counts the queue's blocks from the front up to the cursor. The
   pool's ``num_allocated_total`` says how many blocks left the front since the
-  last walk, and ``handled`` shrinks by that.
+  last walk, and ``handled`` shrinks by that; ``num_prepended_total`` says how
+  many freed empty blocks were put at the front (nothing to copy: handled),
+  and ``handled`` grows by that.
 - A chosen block leaves the queue (it is protected during its copy), so the
   cursor is always the last walked block that *stayed*: everything walked
   after it was taken out.
@@ -29,7 +31,16 @@ from kvoffload.blocks import BlockPool, KVCacheBlock
 
 
 class LazyStoreWalker:
-    __slots__ = ("_allocated_seen", "_cursor", "_epoch", "_prev", "_prev_epoch", "handled", "pool")
+    __slots__ = (
+        "_allocated_seen",
+        "_cursor",
+        "_epoch",
+        "_prepended_seen",
+        "_prev",
+        "_prev_epoch",
+        "handled",
+        "pool",
+    )
 
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
@@ -39,6 +50,7 @@ class LazyStoreWalker:
         self._prev_epoch = 0
         self.handled = 0
         self._allocated_seen = pool.num_allocated_total
+        self._prepended_seen = pool.num_prepended_total
 
     @property
     def cursor(self) -> KVCacheBlock | None:
@@ -50,9 +62,14 @@ class LazyStoreWalker:
         )
 
     def _settle_cursor(self) -> None:
-        popped = self.pool.num_allocated_total - self._allocated_seen
-        self._allocated_seen = self.pool.num_allocated_total
-        self.handled = max(0, self.handled - popped)
+        pool = self.pool
+        popped = pool.num_allocated_total - self._allocated_seen
+        pushed = pool.num_prepended_total - self._prepended_seen
+        self._allocated_seen = pool.num_allocated_total
+        self._prepended_seen = pool.num_prepended_total
+        # Pops and pushes at the front interleave; while the cursor survives,
+        # each popped block was before it, so the net change is exact.
+        self.handled = max(0, self.handled + pushed - popped)
         if self._cursor is None:
             self.handled = 0
             return
