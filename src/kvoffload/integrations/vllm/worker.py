@@ -105,6 +105,7 @@ class KVOffloadWorker(OffloadingWorker):
         num_threads: int = 2,
     ) -> None:
         self.layout = layout
+        self.gpu_tensors = gpu_tensors
         self.host_pool = host_pool
         self.lower = lower
         self.recover_failed_loads = recover_failed_loads

@@ -1,0 +1,361 @@
+"""A CPU-only vLLM 0.33 engine loop around the real ``Scheduler`` and worker-side connector.
+
+Import only from test modules that called ``need_vllm()`` first.
+
+The model never runs: ``VLLMRig.step`` plays the model runner. It binds the
+scheduler's connector metadata to vLLM's worker-side connector (built by
+vLLM's ``KVConnectorFactory`` from the public names, with KV tensors from
+vLLM's own ``allocate_kv_cache`` on the CPU), starts the connector's loads,
+"computes" every newly computed full block by writing a pattern derived from
+the block's hash into all of its KV bytes, finishes the step's connector
+work and feeds a fake ``ModelRunnerOutput`` back. Every block a load job
+wrote is compared with its pattern once the job is done, so
+``bytes_verified`` counts loaded bytes equal to what was written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from kvoffload.integrations.vllm import KVOffloadConnector, KVOffloadWorker
+
+BLOCK_SIZE = 16
+NUM_LAYERS = 2
+NUM_KV_HEADS = 2
+HEAD_SIZE = 16
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": NUM_KV_HEADS,
+    "num_hidden_layers": NUM_LAYERS,
+    "vocab_size": 1000,
+    "max_position_embeddings": 2048,
+    "torch_dtype": "float16",
+    "rms_norm_eps": 1e-5,
+}
+CONNECTOR = {
+    "kv_connector": "KVOffloadConnector",
+    "kv_connector_module_path": "kvoffload.integrations.vllm",
+    "kv_role": "kv_both",
+}
+
+
+def write_tiny_llama(directory: Path) -> Path:
+    """A local tiny Llama ``config.json`` (no weights, no tokenizer, no hub)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return directory
+
+
+def vllm_config(
+    model_dir: Path,
+    num_gpu_blocks: int,
+    extra_config: dict[str, Any] | None,
+    connector: dict[str, Any] | None = None,
+    kv_events_endpoint: str | None = None,
+    recompute_failed_loads: bool = False,
+) -> VllmConfig:
+    """A CPU ``VllmConfig`` for the tiny model; ``extra_config=None``: no connector at all."""
+    model = ModelConfig(
+        model=str(model_dir), skip_tokenizer_init=True, dtype="float16", max_model_len=1024
+    )
+    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True)
+    cache.num_gpu_blocks = num_gpu_blocks
+    sched = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        max_model_len=1024,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+    )
+    transfer = None
+    if extra_config is not None:
+        transfer = KVTransferConfig(
+            **(connector or CONNECTOR),
+            kv_connector_extra_config=dict(extra_config),
+            kv_load_failure_policy="recompute" if recompute_failed_loads else "fail",
+        )
+    events = None
+    if kv_events_endpoint is not None:
+        events = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=kv_events_endpoint,
+            replay_endpoint=None,
+            topic="kv",
+        )
+    return VllmConfig(
+        model_config=model,
+        cache_config=cache,
+        scheduler_config=sched,
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=transfer,
+        kv_events_config=events,
+    )
+
+
+def kv_cache_config(num_blocks: int) -> KVCacheConfig:
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float16
+    )
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+    page = spec.page_size_bytes
+    tensor = KVCacheTensor(
+        size=num_blocks * NUM_LAYERS * page,
+        layers=names,
+        layer_stride=page,
+        block_stride=NUM_LAYERS * page,
+    )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[tensor],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+    )
+
+
+def pattern(block_hash: bytes, plane: int, nbytes: int) -> np.ndarray:
+    """The bytes the fake model "computes" for one plane row of the block with this hash."""
+    digest = hashlib.shake_128(bytes(block_hash) + plane.to_bytes(2, "big")).digest(nbytes)
+    return np.frombuffer(digest, dtype=np.int8)
+
+
+@dataclass
+class _PendingLoad:
+    req_id: str
+    gpu_blocks: list[int]
+    hashes: list[bytes]
+
+
+@dataclass
+class VLLMRig:
+    """vLLM's scheduler and worker-side connector in one process, stepped by hand."""
+
+    config: VllmConfig
+    scheduler: Scheduler
+    worker_connector: KVOffloadConnector | None
+    kv_caches: dict[str, torch.Tensor]
+    hash_fn: Any
+    first_computed: dict[str, int] = field(default_factory=dict)
+    bytes_verified: int = 0
+    blocks_verified: int = 0
+    mismatches: list[tuple[str, int]] = field(default_factory=list)
+    outputs: list[Any] = field(default_factory=list)
+    _pending: dict[int, _PendingLoad] = field(default_factory=dict)
+    _written: dict[int, bytes] = field(default_factory=dict)
+    _next_id: int = 0
+
+    @classmethod
+    def build(
+        cls,
+        tmp_path: Path,
+        num_gpu_blocks: int = 12,
+        extra_config: dict[str, Any] | None = None,
+        scheduler_cls: type[Scheduler] = Scheduler,
+        **config_kwargs: Any,
+    ) -> VLLMRig:
+        model_dir = write_tiny_llama(tmp_path / "tiny-llama")
+        config = vllm_config(model_dir, num_gpu_blocks, extra_config, **config_kwargs)
+        kcc = kv_cache_config(num_gpu_blocks)
+        hash_fn = hashlib.sha256
+        from vllm.utils.hashing import get_hash_fn_by_name
+
+        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        with set_current_vllm_config(config):
+            worker = None
+            kv_caches: dict[str, torch.Tensor] = {}
+            if config.kv_transfer_config is not None:
+                # vLLM builds the worker first (it sizes the KV cache), then the scheduler.
+                worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kcc)
+                kv_caches = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC)
+                worker.register_kv_caches(kv_caches)
+            scheduler = scheduler_cls(
+                vllm_config=config,
+                kv_cache_config=kcc,
+                structured_output_manager=StructuredOutputManager(config),
+                block_size=BLOCK_SIZE,
+                log_stats=True,
+            )
+        return cls(config, scheduler, worker, kv_caches, hash_fn)
+
+    # -- requests ------------------------------------------------------------------
+
+    def add(self, prompt: list[int], max_tokens: int = 2, req_id: str | None = None) -> str:
+        if req_id is None:
+            req_id = f"r{self._next_id}"
+            self._next_id += 1
+        request = Request(
+            request_id=req_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            pooling_params=None,
+            block_hasher=get_request_block_hasher(BLOCK_SIZE, self.hash_fn),
+        )
+        self.scheduler.add_request(request)
+        return req_id
+
+    # -- the fake model runner -------------------------------------------------------
+
+    @property
+    def kv_worker(self) -> KVOffloadWorker:
+        assert self.worker_connector is not None
+        worker = self.worker_connector.kvoffload_worker
+        assert worker is not None
+        return worker
+
+    def _planes(self) -> list[torch.Tensor]:
+        return [p for p in self.kv_worker.host_pool.layout.block_planes(self.kv_worker.gpu_tensors)]
+
+    def _write_block(self, block_id: int, block_hash: bytes) -> None:
+        for p, plane in enumerate(self._planes()):
+            row = plane[block_id]
+            row.copy_(torch.from_numpy(pattern(block_hash, p, row.numel()).view(np.uint8)))
+        self._written[block_id] = bytes(block_hash)
+
+    def _check_block(self, req_id: str, block_id: int, block_hash: bytes) -> None:
+        for p, plane in enumerate(self._planes()):
+            row = plane[block_id]
+            want = pattern(block_hash, p, row.numel()).view(np.uint8)
+            if not np.array_equal(row.numpy(), want):
+                self.mismatches.append((req_id, block_id))
+                return
+            self.bytes_verified += row.numel()
+        self.blocks_verified += 1
+
+    def _compute(self, output: Any) -> None:
+        """Write the KV of every block that became fully computed in this step."""
+        for req_id, n in output.num_scheduled_tokens.items():
+            request = self.scheduler.requests.get(req_id)
+            if request is None:
+                continue
+            (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+            end = request.num_computed_tokens
+            start = end - n
+            for idx in range(start // BLOCK_SIZE, end // BLOCK_SIZE):
+                if idx < len(request.block_hashes) and (idx + 1) * BLOCK_SIZE <= end:
+                    self._write_block(block_ids[idx], request.block_hashes[idx])
+
+    def _note_loads(self, metadata: Any) -> list[int]:
+        sync = []
+        for job_id, job in metadata.load_jobs.items():
+            request = self.scheduler.requests[job.req_id]
+            dst = job.dst_spec
+            first = int(dst.block_indices[0])
+            ids = [int(b) for b in dst.block_ids]
+            hashes = [bytes(request.block_hashes[first + i]) for i in range(len(ids))]
+            self._pending[job_id] = _PendingLoad(job.req_id, ids, hashes)
+            if job.sync:
+                sync.append(job_id)
+        return sync
+
+    def _verify_done(self, job_ids: list[int]) -> None:
+        for job_id in job_ids:
+            load = self._pending.pop(job_id, None)
+            if load is None:
+                continue
+            for block_id, block_hash in zip(load.gpu_blocks, load.hashes):
+                self._check_block(load.req_id, block_id, block_hash)
+
+    def step(self) -> Any:
+        output = self.scheduler.schedule()
+        for new in output.scheduled_new_reqs:
+            self.first_computed.setdefault(new.req_id, new.num_computed_tokens)
+        connector_output = None
+        wc = self.worker_connector
+        if wc is not None:
+            meta = output.kv_connector_metadata
+            wc.bind_connector_metadata(meta)
+            wc.handle_preemptions(meta)
+            sync = self._note_loads(meta)
+            wc.start_load_kv(None)  # type: ignore[arg-type]
+            self._verify_done(sync)
+            self._compute(output)
+            wc.wait_for_save()
+            before = set(self._pending)
+            finished_sending, finished_recving = wc.get_finished(output.finished_req_ids)
+            in_flight = self.kv_worker.worker._job_handler
+            self._verify_done([j for j in before if j not in in_flight])
+            connector_output = KVConnectorOutput(
+                finished_sending=finished_sending,
+                finished_recving=finished_recving,
+                invalid_block_ids=wc.get_block_ids_with_load_errors(),
+                kv_connector_worker_meta=wc.build_connector_worker_meta(),
+            )
+            wc.clear_connector_metadata()
+        else:
+            self._compute(output)
+        req_ids = list(output.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            request = self.scheduler.requests.get(req_id)
+            done = request is not None and request.num_computed_tokens >= request.num_tokens
+            sampled.append([7] if done else [])
+        runner = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=connector_output,
+        )
+        self.outputs.append(self.scheduler.update_from_output(output, runner))
+        return output
+
+    def run(self, max_steps: int = 200) -> int:
+        """Step until no request is left and no transfer is in flight; the steps taken."""
+        for n in range(max_steps):
+            if not self.scheduler.has_requests() and not self._transfers_in_flight():
+                return n
+            self.step()
+        raise AssertionError(f"engine still busy after {max_steps} steps")
+
+    def _transfers_in_flight(self) -> bool:
+        if self.worker_connector is None:
+            return False
+        return self.kv_worker.num_in_flight() > 0 or bool(self.manager.num_in_flight())
+
+    @property
+    def manager(self) -> Any:
+        connector = self.scheduler.connector
+        assert isinstance(connector, KVOffloadConnector)
+        return connector.kvoffload_manager
+
+    def shutdown(self) -> None:
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.shutdown()
+        if self.worker_connector is not None:
+            self.worker_connector.shutdown()
