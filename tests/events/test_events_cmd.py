@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -15,7 +16,13 @@ import pytest
 
 from kvoffload.cli import events_cmd
 from kvoffload.events.subscriber import GapReport
-from kvoffload.events.types import AllBlocksCleared, BlockRemoved, BlockStored
+from kvoffload.events.types import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    vllm_block_hash,
+)
 from tests.events.conftest import TOPIC, PublisherFactory
 
 H = bytes(range(32))
@@ -56,10 +63,11 @@ def test_json_from_seq_replays_buffered_batches(make_pub: PublisherFactory) -> N
     assert [line["seq"] for line in lines] == [1, 2, 3]
     assert all(line["replayed"] for line in lines)
     assert lines[0]["data_parallel_rank"] == 2
+    assert lines[0]["format"] == "vllm"
     assert lines[0]["events"] == [
         {
             "type": "BlockStored",
-            "block_hashes": [H.hex(), (bytes([1]) * 32).hex()],
+            "block_hashes": [vllm_block_hash(H), vllm_block_hash(bytes([1]) * 32)],
             "parent_block_hash": None,
             "token_ids": list(range(32)),
             "block_size": 16,
@@ -67,9 +75,26 @@ def test_json_from_seq_replays_buffered_batches(make_pub: PublisherFactory) -> N
             "medium": "GPU",
             "lora_name": None,
         },
-        {"type": "BlockRemoved", "block_hashes": [H.hex()], "medium": "CPU"},
+        {"type": "BlockRemoved", "block_hashes": [vllm_block_hash(H)], "medium": "CPU"},
         {"type": "AllBlocksCleared"},
     ]
+
+
+def test_json_legacy_profile_shows_byte_hashes_as_hex(make_pub: PublisherFactory) -> None:
+    pub = make_pub(profile="legacy")
+    pub.publish(_sample_events(1))
+    assert pub.flush()
+    args = _args(
+        "--endpoint", pub.endpoint, "--replay-endpoint", pub.replay_endpoint,
+        "--from-seq", "0", "--max-batches", "1", "--json", "--timeout", "10",
+    )  # fmt: skip
+    rc, out, err = _stream(args)
+    assert rc == 0, err
+    (line,) = [json.loads(x) for x in out.splitlines()]
+    assert line["format"] == "legacy"
+    assert line["data_parallel_rank"] is None
+    assert line["events"][0]["block_hashes"] == [H.hex(), (bytes([1]) * 32).hex()]
+    assert line["events"][1] == {"type": "BlockRemoved", "block_hashes": [H.hex()], "medium": "CPU"}
 
 
 def test_live_text_output(make_pub: PublisherFactory) -> None:
@@ -91,9 +116,10 @@ def test_live_text_output(make_pub: PublisherFactory) -> None:
     heads = [line for line in out.splitlines() if line.startswith("seq=")]
     assert len(heads) == 3
     assert "events=3" in heads[0]
-    assert f"  BlockStored medium=GPU blocks=2 [{H[:8].hex()}," in out
+    short = f"{vllm_block_hash(H):016x}"
+    assert f"  BlockStored medium=GPU blocks=2 [{short}," in out
     assert "parent=- tokens=32 block_size=16" in out
-    assert f"  BlockRemoved medium=CPU blocks=1 [{H[:8].hex()}]" in out
+    assert f"  BlockRemoved medium=CPU blocks=1 [{short}]" in out
     assert "  AllBlocksCleared" in out
 
 
@@ -132,6 +158,11 @@ def test_bad_arguments_are_value_errors() -> None:
         _stream(_args("--from-seq", "0"))
     with pytest.raises(ValueError, match="--max-batches"):
         _stream(_args("--max-batches", "0"))
+    for bad in ("nan", "inf", "-1", "0"):
+        with pytest.raises(ValueError, match="--timeout must be a finite number"):
+            _stream(_args("--timeout", bad))
+    with pytest.raises(ValueError, match="--from-seq must be >= 0"):
+        _stream(_args("--from-seq", "-3", "--replay-endpoint", "tcp://127.0.0.1:1"))
 
 
 def test_format_gap() -> None:
@@ -159,4 +190,100 @@ def test_subprocess_kvoffload_events(make_pub: PublisherFactory) -> None:
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [line["seq"] for line in lines] == [0, 1]
-    assert lines[1]["events"][0]["block_hashes"][1] == (bytes([1]) * 32).hex()
+    assert lines[1]["events"][0]["block_hashes"][1] == vllm_block_hash(bytes([1]) * 32)
+
+
+def _run_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    src = Path(events_cmd.__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run(
+        [sys.executable, "-m", "kvoffload.cli", "events", *argv],
+        capture_output=True, text=True, timeout=timeout, env=env,
+    )  # fmt: skip
+
+
+def test_timeout_nan_is_one_line_and_exits() -> None:
+    proc = _run_cli("--timeout", "nan")
+    assert proc.returncode != 0
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "--timeout" in proc.stderr
+
+
+def test_garbage_replay_endpoint_exits_with_one_line() -> None:
+    # Used to hang for ever: the DEALER that failed to connect leaked and
+    # blocked ctx.term(). The subprocess timeout is only a hang guard.
+    proc = _run_cli("--replay-endpoint", "garbage", "--timeout", "1")
+    assert proc.returncode != 0
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "garbage" in proc.stderr
+
+
+def test_unreachable_replay_endpoint_still_honours_timeout(make_pub: PublisherFactory) -> None:
+    # A syntactically fine endpoint with nobody behind it: replays time out,
+    # back off, and the command ends on its own --timeout.
+    pub = make_pub()
+    args = _args(
+        "--endpoint", pub.endpoint, "--replay-endpoint", "tcp://127.0.0.1:1",
+        "--from-seq", "0", "--timeout", "0.5",
+    )  # fmt: skip
+    rc, out, err = _stream(args)
+    assert rc == 0
+    assert out == ""
+    assert err.count("\n") == 1  # just the "listening" line: the replay is still open
+
+
+def test_nan_and_huge_timestamps_print_safely(make_pub: PublisherFactory) -> None:
+    pub = make_pub()
+    stamps = [math.nan, 1e300, -math.inf, 12.5]
+    for ts in stamps:
+        pub.publish(KVEventBatch(ts=ts, events=[AllBlocksCleared()]))
+    assert pub.flush()
+    common = (
+        "--endpoint", pub.endpoint, "--replay-endpoint", pub.replay_endpoint,
+        "--from-seq", "0", "--max-batches", "4", "--timeout", "10",
+    )  # fmt: skip
+    rc, out, err = _stream(_args(*common))
+    assert rc == 0, err
+    heads = [line for line in out.splitlines() if line.startswith("seq=")]
+    assert [h.split()[1] for h in heads[:3]] == ["ts=nan", "ts=1e+300", "ts=-inf"]
+    rc, out, err = _stream(_args(*common, "--json"))
+    assert rc == 0, err
+    # json.loads would accept NaN; the strict check is that no bare NaN/Infinity appears.
+    assert "NaN" not in out and "Infinity" not in out
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [line["ts"] for line in lines] == [None, 1e300, None, 12.5]
+
+
+def test_undecodable_batches_are_reported_on_stderr(make_pub: PublisherFactory) -> None:
+    import zmq
+
+    from tests.events.conftest import LOOPBACK_ANY
+
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.XPUB)
+    raw.bind(LOOPBACK_ANY)
+    endpoint = raw.getsockopt_string(zmq.LAST_ENDPOINT)
+    result: list[tuple[int, str, str]] = []
+    args = _args("--endpoint", endpoint, "--max-batches", "1", "--timeout", "20")
+    runner = threading.Thread(target=lambda: result.append(_stream(args)))
+    runner.start()
+    try:
+        assert raw.poll(10_000)
+        raw.recv()  # the subscription
+        raw.send_multipart([b"", (0).to_bytes(8, "big"), b"\xc1 not msgpack"])
+        raw.send_multipart([b"", (1).to_bytes(8, "big"), b"\x93\x01\x02\x03"])
+        from kvoffload.events.types import encode_batch
+
+        good = encode_batch(KVEventBatch(ts=1.0, events=[AllBlocksCleared()]))
+        raw.send_multipart([b"", (2).to_bytes(8, "big"), good])
+        runner.join(20)
+    finally:
+        raw.close(linger=0)
+        ctx.term()
+    assert result, "the command did not finish"
+    rc, out, err = result[0]
+    assert rc == 0
+    assert out.startswith("seq=2 ")
+    assert "seq 0: undecodable batch" in err
+    assert "seq 1: undecodable batch" in err
+    assert "2 undecodable" in err and "2 lost" in err

@@ -76,7 +76,9 @@ def test_shutdown_flushes_everything_accepted(make_pub: PublisherFactory) -> Non
             if len(seqs) == 500:
                 break
         assert seqs == list(range(first, first + 500))
-        assert msgpack.unpackb(payload)[1] == [["BlockRemoved", [(499).to_bytes(8, "big")], "CPU"]]
+        assert msgpack.unpackb(payload)[1] == [
+            {"type": "BlockRemoved", "block_hashes": [499], "medium": "CPU"}
+        ]
     finally:
         sub.close(linger=0)
         ctx.term()
@@ -116,10 +118,10 @@ def test_full_queue_drops_and_the_gap_is_reported_lost(
     release = threading.Event()
     stalled = threading.Event()
 
-    def slow_encode(batch: KVEventBatch) -> bytes:
+    def slow_encode(batch: KVEventBatch, *args: object, **kwargs: object) -> bytes:
         stalled.set()
         assert release.wait(10)
-        return encode_batch(batch)
+        return encode_batch(batch, *args, **kwargs)  # type: ignore[arg-type]
 
     with KVEventSubscriber(pub.endpoint, pub.replay_endpoint, TOPIC, start_seq=0) as sub:
         monkeypatch.setattr(publisher_module, "encode_batch", slow_encode)
@@ -158,7 +160,7 @@ def test_ready_batch_is_sent_as_is(make_pub: PublisherFactory) -> None:
     finally:
         sub.close(linger=0)
         ctx.term()
-    assert msgpack.unpackb(payload) == [12.5, [["AllBlocksCleared"]], 4]
+    assert msgpack.unpackb(payload) == [12.5, [{"type": "AllBlocksCleared"}], 4]
 
 
 def test_bind_conflict_is_an_oserror(make_pub: PublisherFactory) -> None:
@@ -189,4 +191,4 @@ def test_publish_from_several_threads_keeps_seqs_unique(make_pub: PublisherFacto
     for t in threads:
         t.join()
     assert pub.flush()
-    assert [seq for seq, _ in pub._buffer] == list(range(800))
+    assert pub.buffered_seqs() == list(range(800))

@@ -14,6 +14,7 @@ from kvoffload.events.types import (
     BlockStored,
     KVEventBatch,
     encode_batch,
+    vllm_block_hash,
 )
 from tests.events.conftest import LOOPBACK_ANY, TOPIC, PublisherFactory, wait_subscribed
 
@@ -55,7 +56,7 @@ def test_start_seq_catches_up_then_follows_live(make_pub: PublisherFactory) -> N
     with KVEventSubscriber(pub.endpoint, pub.replay_endpoint, TOPIC, start_seq=0) as sub:
         first = sub.recv(5.0)
         assert [(r.seq, r.replayed) for r in first] == [(i, True) for i in range(5)]
-        assert first[3].batch.events == [BlockRemoved([bytes([3]) * 32], "GPU")]
+        assert first[3].batch.events == [BlockRemoved([vllm_block_hash(bytes([3]) * 32)], "GPU")]
         # Probes published before the subscription took hold are missed live
         # and replayed: either way each seq is handed out once, in order.
         wait_subscribed(pub, received_any)
@@ -107,7 +108,7 @@ def test_gap_from_overflow_is_detected_and_replayed(make_pub: PublisherFactory) 
     assert sub.stats.replayed == sum(r.replayed for r in got) > 0
     assert sub.lost_ranges == []
     for r in (got[0], got[-1], *[r for r in got if r.replayed][:3]):
-        assert r.batch.events[0].block_hashes == [(r.seq - start).to_bytes(32, "big")]
+        assert r.batch.events[0].block_hashes == [r.seq - start]
 
 
 def test_gap_beyond_the_replay_buffer_is_reported_lost(make_pub: PublisherFactory) -> None:

@@ -1,16 +1,20 @@
-"""KV event publishers: a null one and a ZMQ one wire-compatible with vLLM's.
+"""KV event publishers: a null one and a ZMQ one that speaks vLLM 0.33's protocol.
 
-Wire protocol (what vLLM's ``ZmqEventPublisher`` speaks, so routers written
-against it, such as llm-d and Dynamo, consume ours unchanged):
+Wire protocol (vLLM 0.33's ``ZmqEventPublisher``, so routers written against
+it, such as llm-d and Dynamo, consume ours unchanged):
 
 * PUB socket, one multipart message per batch:
-  ``[topic, seq as 8-byte big-endian unsigned, msgpack(KVEventBatch)]``.
+  ``[topic, seq as 8-byte big-endian unsigned, payload]``, the payload a
+  msgpack batch in the publisher's wire profile (see
+  :mod:`kvoffload.events.types`).
 * ROUTER replay socket. A client (DEALER or REQ) sends the first seq it wants
-  as 8 big-endian bytes; it gets one message ``[seq, payload]`` per buffered
-  batch with ``seq >= start`` in order, then the end marker ``[END_SEQ, b""]``
-  where ``END_SEQ`` is -1 as 8 signed big-endian bytes. On the ROUTER side the
-  frames are ``[identity, b"", ...]``; the empty delimiter is echoed only when
-  the request carried one (REQ always does, a DEALER client may).
+  as 8 big-endian bytes, after an empty delimiter frame (REQ adds it; vLLM
+  requires it, we also accept a bare DEALER request). In the ``"vllm"``
+  profile it gets ``[b"", topic, seq, payload]`` per buffered batch with
+  ``seq >= start``, in order, then ``[b"", b"", END_SEQ, b""]``; in the
+  ``"legacy"`` profile ``[b"", seq, payload]`` and ``[b"", END_SEQ, b""]``.
+  ``END_SEQ`` is -1 as 8 signed big-endian bytes. A bare DEALER request is
+  answered without the leading delimiter.
 
 Invariants of :class:`ZmqEventPublisher`:
 
@@ -22,8 +26,14 @@ Invariants of :class:`ZmqEventPublisher`:
   gap that replay cannot fill, rather than silently missing state.
 * Batches go out in seq order; the replay buffer holds the last
   ``buffer_steps`` batches actually sent.
+* Live batches come first: the socket thread sends at most one replay message
+  between looking at the live queue, so any number of replay requests delays a
+  live batch by at most one replayed batch. A replay request is answered
+  with the batches sent before it arrived (those still buffered when their
+  turn comes); concurrent requests are answered round-robin, and beyond
+  ``MAX_REPLAY_JOBS`` open requests a new one gets only the end marker.
 * ``shutdown`` sends everything accepted before it, then closes the sockets
-  and joins the thread within a bounded time.
+  and joins the thread within a bounded time; unfinished replays are dropped.
 """
 
 from __future__ import annotations
@@ -42,7 +52,15 @@ from typing import ClassVar
 
 import zmq
 
-from kvoffload.events.types import KVEvent, KVEventBatch, encode_batch
+from kvoffload.events.types import (
+    DEFAULT_PROFILE,
+    PROFILE_VLLM,
+    KVEvent,
+    KVEventBatch,
+    check_profile,
+    encode_batch,
+    vllm_int_hashes_from_env,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +68,16 @@ logger = logging.getLogger(__name__)
 END_SEQ: bytes = (-1).to_bytes(8, "big", signed=True)
 
 DEFAULT_ENDPOINT = "tcp://*:5557"
+#: vLLM 0.33's default topic (``KVEventsConfig.topic``).
+DEFAULT_TOPIC = ""
 DEFAULT_BUFFER_STEPS = 10_000
 DEFAULT_HWM = 100_000
 DEFAULT_MAX_QUEUE_SIZE = 100_000
+#: Open replay requests served at once; more get the end marker at once.
+MAX_REPLAY_JOBS = 1024
 
-# How many queued batches the socket thread sends before it looks at the replay
-# socket again, so that a backlog does not starve replay clients.
+# How many queued batches the socket thread sends before it serves one replay
+# message, so that a backlog does not starve replay clients.
 _SEND_CHUNK = 256
 
 
@@ -108,6 +130,16 @@ class PublisherStats:
     send_errors: int = 0
     replay_requests: int = 0
     replayed_batches: int = 0
+    replay_rejected: int = 0
+
+
+@dataclass
+class _ReplayJob:
+    """One replay request being answered: seqs ``next_seq..last_seq`` still to send."""
+
+    envelope: tuple[bytes, ...]
+    next_seq: int
+    last_seq: int
 
 
 class ZmqEventPublisher(EventPublisher):
@@ -119,7 +151,10 @@ class ZmqEventPublisher(EventPublisher):
     high-water mark per subscriber (ZMQ drops beyond it, never blocks);
     ``buffer_steps`` is how many recent batches replay can serve;
     ``max_queue_size`` bounds the hand-off queue to the socket thread.
-    ``data_parallel_rank`` is stamped into batches built from event lists.
+    ``data_parallel_rank`` is stamped into batches built from event lists (the
+    ``"vllm"`` profile sends None as 0, as vLLM does). ``profile`` is the wire
+    profile, ``"vllm"`` or ``"legacy"``; ``int_hashes`` (vllm profile) None
+    follows ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` as vLLM does.
     """
 
     END_SEQ: ClassVar[bytes] = END_SEQ
@@ -128,11 +163,13 @@ class ZmqEventPublisher(EventPublisher):
         self,
         endpoint: str = DEFAULT_ENDPOINT,
         replay_endpoint: str | None = None,
-        topic: str = "",
+        topic: str = DEFAULT_TOPIC,
         buffer_steps: int = DEFAULT_BUFFER_STEPS,
         hwm: int = DEFAULT_HWM,
         data_parallel_rank: int | None = None,
         *,
+        profile: str = DEFAULT_PROFILE,
+        int_hashes: bool | None = None,
         max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
         linger_s: float = 1.0,
         start_timeout_s: float = 10.0,
@@ -145,6 +182,8 @@ class ZmqEventPublisher(EventPublisher):
                 f"need buffer_steps >= 0, hwm >= 0, max_queue_size >= 1; got "
                 f"{buffer_steps}, {hwm}, {max_queue_size}"
             )
+        self.profile = check_profile(profile)
+        self._int_hashes = vllm_int_hashes_from_env() if int_hashes is None else int_hashes
         self._requested_endpoint = endpoint
         self._requested_replay_endpoint = replay_endpoint or None
         self.topic = topic
@@ -170,7 +209,12 @@ class ZmqEventPublisher(EventPublisher):
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
 
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        # Replay buffer, socket thread only: seq -> payload, and the seqs in
+        # send order for eviction (seqs of dropped batches are absent).
+        self._buffer: dict[int, bytes] = {}
+        self._buffer_order: deque[int] = deque()
+        self._last_sent_seq = -1
+        self._jobs: deque[_ReplayJob] = deque()
         self.endpoint: str = endpoint
         self.replay_endpoint: str | None = self._requested_replay_endpoint
         self._ready = threading.Event()
@@ -233,6 +277,10 @@ class ZmqEventPublisher(EventPublisher):
                 done.wait(min(remaining, 0.1))
         return True
 
+    def buffered_seqs(self) -> list[int]:
+        """The seqs replay can serve now (a snapshot; for tests and tools)."""
+        return list(self._buffer_order)
+
     def shutdown(self) -> None:
         with self._lock:
             if self._closed:
@@ -282,9 +330,10 @@ class ZmqEventPublisher(EventPublisher):
                 self.endpoint = _last_endpoint(pub)
                 if self._requested_replay_endpoint is not None:
                     replay = ctx.socket(zmq.ROUTER)
-                    # A full replay of the buffer must fit in one client's pipe,
-                    # or ROUTER would silently drop its tail.
-                    replay_hwm = 0 if self.hwm == 0 else max(self.hwm, self.buffer_steps + 1)
+                    # A full replay of the buffer must fit in one client's
+                    # pipe, or ROUTER would silently drop its tail; ZMQ frees
+                    # pipe room only every HWM/2 reads, hence the 2x (as vLLM).
+                    replay_hwm = 0 if self.hwm == 0 else 2 * (self.buffer_steps + 1)
                     replay.setsockopt(zmq.SNDHWM, replay_hwm)
                     replay.setsockopt(zmq.LINGER, self._linger_ms)
                     replay.bind(self._requested_replay_endpoint)
@@ -300,7 +349,7 @@ class ZmqEventPublisher(EventPublisher):
         finally:
             for sock in (pub, replay):
                 if sock is not None:
-                    sock.close()
+                    sock.close(linger=self._linger_ms)
             ctx.term()
 
     def _serve(self, pub: zmq.Socket, replay: zmq.Socket | None) -> None:
@@ -310,11 +359,9 @@ class ZmqEventPublisher(EventPublisher):
             poller.register(replay, zmq.POLLIN)
         while True:
             self._drain_wake()
-            # Send everything queued, in chunks, answering replay requests in
-            # between; a request is answered from what was sent before it.
-            while self._send_queued(pub, _SEND_CHUNK):
-                self._serve_replays(replay)
-            self._serve_replays(replay)
+            # Requests first, so each is answered from what was sent before it.
+            self._take_replay_requests(replay)
+            more_live = self._send_queued(pub, _SEND_CHUNK)
             if self._stop.is_set():
                 # shutdown() set _closed under publish()'s lock before _stop,
                 # so every accepted batch is already queued: this drain is the
@@ -322,6 +369,12 @@ class ZmqEventPublisher(EventPublisher):
                 while self._send_queued(pub, _SEND_CHUNK):
                     pass
                 return
+            if self._jobs and replay is not None:
+                # One replay message, then back to the live queue.
+                self._send_one_replay(replay)
+                continue
+            if more_live:
+                continue
             poller.poll()
 
     def _drain_wake(self) -> None:
@@ -337,7 +390,7 @@ class ZmqEventPublisher(EventPublisher):
             except queue.Empty:
                 return False
             try:
-                payload = encode_batch(batch)
+                payload = encode_batch(batch, self.profile, int_hashes=self._int_hashes)
                 # PUB never blocks: at the HWM it drops for that subscriber.
                 pub.send_multipart((self._topic_bytes, seq_to_bytes(seq), payload), copy=False)
             except Exception:
@@ -346,13 +399,22 @@ class ZmqEventPublisher(EventPublisher):
                 self.stats.send_errors += 1
                 logger.exception("KV event batch seq=%d could not be sent", seq)
             else:
-                self._buffer.append((seq, payload))
+                self._remember(seq, payload)
                 self.stats.published_batches += 1
             finally:
                 self._queue.task_done()
         return True
 
-    def _serve_replays(self, replay: zmq.Socket | None) -> None:
+    def _remember(self, seq: int, payload: bytes) -> None:
+        self._last_sent_seq = seq
+        if self.buffer_steps == 0:
+            return
+        self._buffer[seq] = payload
+        self._buffer_order.append(seq)
+        if len(self._buffer_order) > self.buffer_steps:
+            del self._buffer[self._buffer_order.popleft()]
+
+    def _take_replay_requests(self, replay: zmq.Socket | None) -> None:
         if replay is None:
             return
         while True:
@@ -360,13 +422,13 @@ class ZmqEventPublisher(EventPublisher):
                 frames = replay.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._answer_replay(replay, frames)
+            self._open_replay(replay, frames)
 
-    def _answer_replay(self, replay: zmq.Socket, frames: list[bytes]) -> None:
+    def _open_replay(self, replay: zmq.Socket, frames: list[bytes]) -> None:
         # [identity, b"", start] from REQ (or a DEALER sending the delimiter),
         # [identity, start] from a bare DEALER.
         if len(frames) == 3 and frames[1] == b"":
-            envelope = (frames[0], b"")
+            envelope: tuple[bytes, ...] = (frames[0], b"")
         elif len(frames) == 2:
             envelope = (frames[0],)
         else:
@@ -374,16 +436,49 @@ class ZmqEventPublisher(EventPublisher):
             return
         self.stats.replay_requests += 1
         start = frames[-1]
-        if len(start) == 8:
-            start_seq = seq_from_bytes(start)
-            for seq, payload in self._buffer:
-                if seq >= start_seq:
-                    replay.send_multipart((*envelope, seq_to_bytes(seq), payload), copy=False)
-                    self.stats.replayed_batches += 1
-        else:
+        if len(start) != 8:
             logger.warning("KV event replay request with a %d-byte seq; want 8", len(start))
-        # Always terminate, so that a waiting client never hangs on a bad request.
-        replay.send_multipart((*envelope, END_SEQ, b""))
+            # Always terminate, so that a waiting client never hangs on a bad request.
+            self._send_end(replay, envelope)
+            return
+        if len(self._jobs) >= MAX_REPLAY_JOBS:
+            self.stats.replay_rejected += 1
+            self._send_end(replay, envelope)
+            return
+        self._jobs.append(_ReplayJob(envelope, seq_from_bytes(start), self._last_sent_seq))
+
+    def _send_one_replay(self, replay: zmq.Socket) -> None:
+        """Send the next message of the oldest open replay, then rotate the jobs."""
+        job = self._jobs[0]
+        seq = job.next_seq
+        last = job.last_seq
+        if self._buffer_order:
+            seq = max(seq, self._buffer_order[0])
+            last = min(last, self._buffer_order[-1])
+        else:
+            last = -1
+        # Seqs of dropped or unsendable batches are holes in the buffer; the
+        # walk is bounded by the buffer's span.
+        while seq <= last and seq not in self._buffer:
+            seq += 1
+        if seq > last:
+            self._jobs.popleft()
+            self._send_end(replay, job.envelope)
+            return
+        if self.profile == PROFILE_VLLM:
+            frames = (*job.envelope, self._topic_bytes, seq_to_bytes(seq), self._buffer[seq])
+        else:
+            frames = (*job.envelope, seq_to_bytes(seq), self._buffer[seq])
+        replay.send_multipart(frames, copy=False)
+        self.stats.replayed_batches += 1
+        job.next_seq = seq + 1
+        self._jobs.rotate(-1)
+
+    def _send_end(self, replay: zmq.Socket, envelope: tuple[bytes, ...]) -> None:
+        if self.profile == PROFILE_VLLM:
+            replay.send_multipart((*envelope, b"", END_SEQ, b""))
+        else:
+            replay.send_multipart((*envelope, END_SEQ, b""))
 
 
 def _last_endpoint(sock: zmq.Socket) -> str:
@@ -394,14 +489,20 @@ def _last_endpoint(sock: zmq.Socket) -> str:
 def make_publisher(
     endpoint: str | None = None,
     replay_endpoint: str | None = None,
-    topic: str = "",
+    topic: str = DEFAULT_TOPIC,
     buffer_steps: int = DEFAULT_BUFFER_STEPS,
     hwm: int = DEFAULT_HWM,
     data_parallel_rank: int | None = None,
     *,
     max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
+    events_format: str = DEFAULT_PROFILE,
 ) -> EventPublisher:
-    """A :class:`ZmqEventPublisher`, or the null publisher when ``endpoint`` is None."""
+    """A :class:`ZmqEventPublisher` speaking ``events_format`` ("vllm" or "legacy").
+
+    The null publisher when ``endpoint`` is None (``events_format`` is still
+    checked, so a typo fails at once).
+    """
+    check_profile(events_format)
     if endpoint is None:
         return NullEventPublisher()
     return ZmqEventPublisher(
@@ -412,4 +513,5 @@ def make_publisher(
         hwm,
         data_parallel_rank,
         max_queue_size=max_queue_size,
+        profile=events_format,
     )

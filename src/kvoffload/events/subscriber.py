@@ -1,40 +1,61 @@
 """A KV event subscriber: SUB for the live stream, DEALER for replay.
 
-It speaks the vLLM-compatible protocol described in
-:mod:`kvoffload.events.publisher`, and works against any publisher that does.
+It speaks the protocol described in :mod:`kvoffload.events.publisher`, in
+either wire profile, and works against any publisher that does: kvoffload's
+and vLLM 0.33's own ``ZmqEventPublisher``.
 
 Invariants:
 
-* :meth:`KVEventSubscriber.recv` hands out batches in strictly increasing seq
+* Within one *epoch* (the stream of one publisher incarnation),
+  :meth:`KVEventSubscriber.recv` hands out batches in strictly increasing seq
   order, each seq at most once (live duplicates of replayed batches are
   skipped).
-* Once the first batch was handed out (or from ``start_seq`` when given), every
-  seq is accounted for: handed out, or reported lost in :attr:`lost_ranges`
-  because the publisher's replay buffer no longer (or never) had it, or its
-  payload did not decode.
-* A gap is filled before the batch after it is handed out: on a jump in seq the
-  subscriber asks the replay socket for everything from the first missing seq,
-  and uses what it gets, including batches newer than the one that revealed the
-  gap.
+* Once the first batch of an epoch was handed out (or from ``start_seq`` when
+  given), every seq of it is accounted for: handed out, or reported lost in
+  :attr:`lost_ranges` because the publisher's replay buffer no longer (or
+  never) had it, or its payload did not decode. Undecodable batches and
+  malformed messages are also counted in :attr:`stats` and reported through
+  ``on_notice``: none is dropped in silence.
+* A live seq that goes back (and is not a copy of a batch replay already gave)
+  means the publisher restarted; a jump forward by more than ``max_gap`` is
+  not a believable gap (e.g. seq 2**64 - 2). Either starts a new epoch at that
+  seq, with a notice, instead of waiting for a seq that will never come.
+* A gap is filled before the batch after it is handed out: on a jump in seq
+  the subscriber asks the replay socket for everything from the first missing
+  seq and holds later live batches until the answer ends, or until no reply
+  came for ``replay_timeout_s``; then it hands out what it got, including
+  batches newer than the one that revealed the gap. Replay never makes
+  ``recv`` overrun its caller's deadline: the request stays open across calls.
+* After a replay timed out, replays back off (doubling up to
+  ``replay_backoff_max_s``); a gap met while backing off is recorded lost at
+  once rather than waited for. A replay that answers resets the backoff.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
 
 from kvoffload.events.publisher import END_SEQ, seq_from_bytes, seq_to_bytes
-from kvoffload.events.types import KVEventBatch, decode_batch
+from kvoffload.events.types import KVEventBatch, decode_batch_profile
 
 DEFAULT_RCVHWM = 100_000
-# Live messages handled per recv() call at most, so one call returns promptly
+#: A forward jump in seq beyond this is a resync, not a gap to replay.
+DEFAULT_MAX_GAP = 1 << 32
+DEFAULT_REPLAY_TIMEOUT_S = 1.0
+DEFAULT_REPLAY_BACKOFF_MAX_S = 30.0
+# Live messages handled per pump at most, so one recv() returns promptly
 # under a flood.
 _RECV_CHUNK = 1024
+# Undecodable-batch notices printed one by one before they are only counted.
+_NOTICE_LIMIT = 20
 
 
 @dataclass(frozen=True)
@@ -42,6 +63,10 @@ class ReceivedBatch:
     seq: int
     batch: KVEventBatch
     replayed: bool = False
+    #: The publisher incarnation: 0, then +1 at each resync.
+    epoch: int = 0
+    #: The wire profile the payload was in ("vllm" or "legacy").
+    profile: str = ""
 
 
 @dataclass(frozen=True)
@@ -62,11 +87,25 @@ class SubscriberStats:
     gaps: int = 0
     lost_batches: int = 0
     malformed: int = 0
+    undecodable: int = 0
     replay_timeouts: int = 0
+    replays_skipped: int = 0
+    resyncs: int = 0
 
 
-# Raw (seq, payload, replayed) entries still to decode, in seq order.
-_Pending = list[tuple[int, bytes, bool]]
+@dataclass
+class _Replay:
+    """An open replay request for seqs from ``first`` on."""
+
+    first: int
+    # The live batch that revealed the gap (None for the start_seq catch-up).
+    live: tuple[int, bytes] | None
+    deadline: float
+    got: list[tuple[int, bytes]] = field(default_factory=list)
+
+
+# Raw entries still to decode, in order: (seq, payload, replayed, epoch).
+_Pending = list[tuple[int, bytes, bool, int]]
 
 
 def connectable(endpoint: str) -> str:
@@ -80,8 +119,10 @@ class KVEventSubscriber:
     ``topic`` is a ZMQ prefix filter ("" takes every topic). ``start_seq``: hand
     out everything from this seq on, as far as the publisher's replay buffer
     reaches (None: start with whatever arrives first). ``replay_timeout_s``
-    is how long to wait for each replay message before giving up on the rest;
-    ``on_gap`` is called once per gap, after the fill attempt.
+    is how long a replay may go without a reply before the rest is given up;
+    ``on_gap`` is called once per gap, after the fill attempt; ``on_notice``
+    gets one line per resync, replay timeout and undecodable or malformed
+    message.
     """
 
     def __init__(
@@ -92,34 +133,63 @@ class KVEventSubscriber:
         *,
         start_seq: int | None = None,
         rcvhwm: int = DEFAULT_RCVHWM,
-        replay_timeout_s: float = 1.0,
+        replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
+        replay_backoff_max_s: float = DEFAULT_REPLAY_BACKOFF_MAX_S,
+        max_gap: int = DEFAULT_MAX_GAP,
         on_gap: Callable[[GapReport], None] | None = None,
+        on_notice: Callable[[str], None] | None = None,
     ) -> None:
         if start_seq is not None and start_seq < 0:
             raise ValueError(f"start_seq must be >= 0, got {start_seq}")
+        for name, value in (
+            ("replay_timeout_s", replay_timeout_s),
+            ("replay_backoff_max_s", replay_backoff_max_s),
+        ):
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        if max_gap < 1:
+            raise ValueError(f"max_gap must be >= 1, got {max_gap}")
+        self._closed = True  # until the sockets exist
         self.endpoint = connectable(endpoint)
         self.replay_endpoint = connectable(replay_endpoint) if replay_endpoint else None
         self.topic = topic
-        self._replay_timeout_ms = max(1, int(replay_timeout_s * 1000))
+        self._replay_timeout_s = replay_timeout_s
+        self._backoff_max_s = replay_backoff_max_s
+        self._max_gap = max_gap
         self._on_gap = on_gap
+        self._on_notice = on_notice
         self.stats = SubscriberStats()
         self.lost_ranges: list[tuple[int, int]] = []
+        self.epoch = 0
         # The next seq to hand out; None until known.
         self._expected: int | None = start_seq
+        # The newest live seq handed out in this epoch.
+        self._last_live: int | None = None
         self._initial_replay = start_seq is not None and self.replay_endpoint is not None
+        # Replayed seqs newer than the newest live one: seq -> hash(payload),
+        # so that their live copies are recognised as duplicates.
+        self._replayed: dict[int, int] = {}
+        self._replay: _Replay | None = None
+        self._held: deque[tuple[int, bytes]] = deque()
+        self._backoff_s = 0.0
+        self._backoff_until = 0.0
+        self._pending: _Pending = []
+        self._notices = 0
 
         self._ctx = zmq.Context()
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
-        self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
         self._dealer: zmq.Socket | None = None
         try:
+            self._sub = self._ctx.socket(zmq.SUB)
+            self._sub.setsockopt(zmq.LINGER, 0)
+            self._sub.setsockopt(zmq.RCVHWM, rcvhwm)
+            self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
             self._sub.connect(self.endpoint)
             if self.replay_endpoint is not None:
                 self._dealer = self._new_dealer()
         except zmq.ZMQError as exc:
-            self.close()
+            # destroy() closes every socket of the context with linger 0, so
+            # a half-made subscriber can never make term() wait.
+            self._ctx.destroy(linger=0)
             raise OSError(f"cannot connect to {endpoint!r} / {replay_endpoint!r}: {exc}") from exc
         self._closed = False
 
@@ -134,151 +204,287 @@ class KVEventSubscriber:
         """Wait up to ``timeout_s`` (None: forever) for batches; [] on timeout.
 
         Returns every batch available now, live and replayed, in seq order.
+        Never waits past ``timeout_s``, not even for an open replay.
         """
-        pending: _Pending = []
+        if timeout_s is not None and math.isnan(timeout_s):
+            raise ValueError("timeout_s must not be NaN")
+        deadline = None
+        if timeout_s is not None and timeout_s != math.inf:
+            deadline = time.monotonic() + max(0.0, timeout_s)
         if self._initial_replay:
             self._initial_replay = False
-            start = self._expected
-            assert start is not None
-            lost_before = len(self.lost_ranges)
-            self._take_replay(start, None, pending)
-            if pending and pending[0][0] > start:
-                self.stats.gaps += 1
-                self._report(start, pending[0][0] - 1, 0, lost_before)
-            if pending:
-                return self._decode(pending)
-        deadline = None if timeout_s is None else time.monotonic() + max(0.0, timeout_s)
+            assert self._expected is not None
+            self._start_replay(self._expected, None)
         while True:
-            wait_ms = None
-            if deadline is not None:
-                wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            if not self._sub.poll(wait_ms):
+            self._pump()
+            if self._pending:
+                out = self._decode()
+                if out:
+                    return out
+                # All undecodable (counted, reported, marked lost): keep waiting.
+            now = time.monotonic()
+            wait_until = deadline
+            if self._replay is not None:
+                wait_until = (
+                    self._replay.deadline
+                    if wait_until is None
+                    else min(wait_until, self._replay.deadline)
+                )
+            if deadline is not None and now >= deadline:
                 return []
-            for _ in range(_RECV_CHUNK):
-                try:
-                    frames = self._sub.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._on_live(frames, pending)
-            if pending:
-                batches = self._decode(pending)
-                if batches:
-                    return batches
-                pending.clear()  # all undecodable (already counted and marked lost)
-            # Only duplicates or malformed messages: keep waiting until the deadline.
+            wait_ms = None if wait_until is None else max(0, math.ceil((wait_until - now) * 1000))
+            self._wait(wait_ms)
 
-    def _on_live(self, frames: list[bytes], pending: _Pending) -> None:
-        if len(frames) != 3 or len(frames[1]) != 8:
-            self.stats.malformed += 1
+    def _wait(self, wait_ms: int | None) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sub, zmq.POLLIN)
+        if self._replay is not None and self._dealer is not None:
+            poller.register(self._dealer, zmq.POLLIN)
+        poller.poll(wait_ms)
+
+    def _pump(self) -> None:
+        """Take what is readable now: replay replies first, then live messages."""
+        if self._replay is not None:
+            self._read_replay()
+        if self._replay is not None and time.monotonic() >= self._replay.deadline:
+            self._finish_replay(timed_out=True)
+        for _ in range(_RECV_CHUNK):
+            try:
+                frames = self._sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if len(frames) != 3 or len(frames[1]) != 8:
+                self.stats.malformed += 1
+                self._notice(f"malformed live message ({len(frames)} frames) ignored", flood=True)
+                continue
+            self._on_live(seq_from_bytes(frames[1]), frames[2])
+
+    # -- live stream ------------------------------------------------------------
+
+    def _on_live(self, seq: int, payload: bytes) -> None:
+        if self._replay is not None:
+            self._held.append((seq, payload))
             return
-        seq = seq_from_bytes(frames[1])
-        payload = frames[2]
         expected = self._expected
-        if expected is not None and seq < expected:
+        if expected is None or seq == expected:
+            self._accept(seq, payload)
+        elif seq > expected:
+            if seq - expected > self._max_gap:
+                self._resync(expected, seq, "jumped")
+                self._accept(seq, payload)
+            else:
+                self._gap(expected, seq, payload)
+        elif (self._last_live is not None and seq <= self._last_live) or (
+            self._replayed.get(seq, hash(payload)) != hash(payload)
+        ):
+            # Live seqs only grow within an epoch, and a replayed seq's live
+            # copy carries the same bytes: this is another publisher's stream.
+            self._resync(expected, seq, "went back")
+            self._accept(seq, payload)
+        else:
+            # A live copy of a seq replay already handed out (or recorded
+            # lost), or one from before start_seq.
             self.stats.duplicates += 1
-            return
-        if expected is not None and seq > expected:
-            self._fill_gap(expected, seq, payload, pending)
-            return
-        pending.append((seq, payload, False))
-        self._expected = seq + 1
+            self._replayed.pop(seq, None)
 
-    def _fill_gap(self, first: int, seq: int, payload: bytes, pending: _Pending) -> None:
+    def _accept(self, seq: int, payload: bytes) -> None:
+        self._pending.append((seq, payload, False, self.epoch))
+        self._expected = seq + 1
+        self._saw_live(seq)
+
+    def _saw_live(self, seq: int) -> None:
+        self._last_live = seq
+        # No live copy of a replayed seq at or below this one can come now.
+        while self._replayed:
+            oldest = next(iter(self._replayed))
+            if oldest > seq:
+                break
+            del self._replayed[oldest]
+
+    def _resync(self, expected: int, seq: int, how: str) -> None:
+        self.stats.resyncs += 1
+        self.epoch += 1
+        self._replayed.clear()
+        self._last_live = None
+        self._notice(
+            f"publisher seq {how} from {expected} to {seq} (publisher restarted, or a bad "
+            f"seq): resynchronising at {seq}"
+        )
+
+    def _gap(self, first: int, seq: int, payload: bytes) -> None:
         self.stats.gaps += 1
-        before = len(pending)
+        if self._dealer is not None and time.monotonic() >= self._backoff_until:
+            self._start_replay(first, (seq, payload))
+            return
+        if self._dealer is not None:
+            self.stats.replays_skipped += 1
         lost_before = len(self.lost_ranges)
-        self._take_replay(first, (seq, payload), pending)
-        recovered = sum(1 for s, _, r in pending[before:] if r and s < seq)
-        self._report(first, seq - 1, recovered, lost_before)
+        self._lose(first, seq - 1)
+        self._accept(seq, payload)
+        self._report(first, seq - 1, 0, lost_before)
 
     def _report(self, first: int, last: int, recovered: int, lost_before: int) -> None:
         if self._on_gap is not None:
             lost = tuple(self.lost_ranges[lost_before:])
             self._on_gap(GapReport(first, last, recovered, lost))
 
-    def _take_replay(self, first: int, live: tuple[int, bytes] | None, pending: _Pending) -> None:
-        """Append replayed batches from ``first`` on (and ``live``) in seq order.
-
-        Records as lost every seq from ``first`` up to the newest one handed
-        out that neither the replay nor ``live`` supplied.
-        """
-        got = {s: p for s, p in self._request_replay(first) if s >= first}
-        if live is not None:
-            got.setdefault(live[0], live[1])
-        cursor = first
-        for s in sorted(got):
-            if s > cursor:
-                self._lose(cursor, s - 1)
-            is_live = live is not None and s == live[0]
-            pending.append((s, got[s], not is_live))
-            cursor = s + 1
-        if got:
-            self._expected = cursor
-
     def _lose(self, first: int, last: int) -> None:
         self.lost_ranges.append((first, last))
         self.stats.lost_batches += last - first + 1
 
-    def _request_replay(self, start: int) -> list[tuple[int, bytes]]:
+    # -- replay -----------------------------------------------------------------
+
+    def _start_replay(self, first: int, live: tuple[int, bytes] | None) -> None:
+        assert self._dealer is not None
+        self._replay = _Replay(first, live, time.monotonic() + self._replay_timeout_s)
+        try:
+            # The empty delimiter makes the request look like REQ's, which
+            # vLLM's publisher requires; replies then carry it too.
+            self._dealer.send_multipart((b"", seq_to_bytes(first)), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self._finish_replay(timed_out=True)
+
+    def _read_replay(self) -> None:
+        replay = self._replay
         dealer = self._dealer
-        if dealer is None:
-            return []
-        # The empty delimiter makes the request look like REQ's, which every
-        # vLLM-compatible publisher accepts; replies then carry it too.
-        dealer.send_multipart((b"", seq_to_bytes(start)))
-        out: list[tuple[int, bytes]] = []
+        assert replay is not None and dealer is not None
         while True:
-            if not dealer.poll(self._replay_timeout_ms):
-                # Replies to this request may still come; a fresh socket makes
-                # sure they cannot be mistaken for the next request's.
-                self.stats.replay_timeouts += 1
-                dealer.close(linger=0)
-                self._dealer = self._new_dealer()
-                return out
-            frames = dealer.recv_multipart()
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            replay.deadline = time.monotonic() + self._replay_timeout_s
             if frames and frames[0] == b"":
+                frames = frames[1:]
+            # vLLM profile: [topic, seq, payload]; legacy: [seq, payload].
+            if len(frames) == 3:
                 frames = frames[1:]
             if len(frames) != 2 or len(frames[0]) != 8:
                 self.stats.malformed += 1
+                self._notice(f"malformed replay message ({len(frames)} frames) ignored", flood=True)
                 continue
             if frames[0] == END_SEQ:
-                return out
-            out.append((seq_from_bytes(frames[0]), frames[1]))
+                self._finish_replay(timed_out=False)
+                return
+            replay.got.append((seq_from_bytes(frames[0]), frames[1]))
+
+    def _finish_replay(self, *, timed_out: bool) -> None:
+        """Hand out what the replay brought (and the live batch), record the rest lost."""
+        replay = self._replay
+        assert replay is not None
+        self._replay = None
+        if timed_out:
+            self.stats.replay_timeouts += 1
+            self._backoff_s = min(
+                self._backoff_max_s, max(2 * self._backoff_s, self._replay_timeout_s)
+            )
+            self._backoff_until = time.monotonic() + self._backoff_s
+            self._notice(
+                f"replay from seq {replay.first} timed out after {len(replay.got)} batches; "
+                f"replays paused for {self._backoff_s:g} s"
+            )
+            # Late replies to this request must not pass for the next one's.
+            self._reset_dealer()
+        else:
+            self._backoff_s = 0.0
+            self._backoff_until = 0.0
+
+        first = replay.first
+        live_seq = replay.live[0] if replay.live is not None else None
+        got = {s: p for s, p in replay.got if s >= first}
+        if replay.live is not None:
+            got.setdefault(replay.live[0], replay.live[1])
+        lost_before = len(self.lost_ranges)
+        cursor = first
+        for s in sorted(got):
+            if s > cursor:
+                self._lose(cursor, s - 1)
+            replayed = s != live_seq
+            self._pending.append((s, got[s], replayed, self.epoch))
+            if replayed and (live_seq is None or s > live_seq):
+                self._replayed[s] = hash(got[s])
+            cursor = s + 1
+        if got:
+            self._expected = cursor
+        if live_seq is not None:
+            self._saw_live(live_seq)
+        if live_seq is not None:
+            recovered = sum(1 for s in got if first <= s < live_seq)
+            self._report(first, live_seq - 1, recovered, lost_before)
+        elif got and min(got) > first:
+            self.stats.gaps += 1
+            self._report(first, min(got) - 1, 0, lost_before)
+        # Live batches that came meanwhile, in order; one may open a new replay,
+        # and then the rest wait for that one.
+        held, self._held = self._held, deque()
+        while held:
+            seq, payload = held.popleft()
+            self._on_live(seq, payload)
 
     def _new_dealer(self) -> zmq.Socket:
         assert self.replay_endpoint is not None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVHWM, 0)
-        dealer.connect(self.replay_endpoint)
+        try:
+            dealer.connect(self.replay_endpoint)
+        except zmq.ZMQError:
+            dealer.close(linger=0)
+            raise
         return dealer
 
-    def _decode(self, pending: _Pending) -> list[ReceivedBatch]:
+    def _reset_dealer(self) -> None:
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+            self._dealer = None
+        try:
+            self._dealer = self._new_dealer()
+        except zmq.ZMQError as exc:  # pragma: no cover - it connected before
+            self._notice(f"replay socket lost ({exc}); gaps are now only reported")
+
+    # -- decoding ---------------------------------------------------------------
+
+    def _decode(self) -> list[ReceivedBatch]:
+        pending, self._pending = self._pending, []
         out: list[ReceivedBatch] = []
-        for seq, payload, replayed in pending:
+        for seq, payload, replayed, epoch in pending:
             try:
-                batch = decode_batch(payload)
-            except msgspec.DecodeError:
+                batch, profile = decode_batch_profile(payload)
+            except msgspec.DecodeError as exc:
                 # Its seq was seen, so account for it where callers look.
                 self.stats.malformed += 1
+                self.stats.undecodable += 1
                 self._lose(seq, seq)
+                self._notice(
+                    f"seq {seq}: undecodable batch ({len(payload)} bytes): {exc}", flood=True
+                )
                 continue
-            out.append(ReceivedBatch(seq, batch, replayed))
+            out.append(ReceivedBatch(seq, batch, replayed, epoch, profile))
             self.stats.received += 1
             if replayed:
                 self.stats.replayed += 1
         return out
 
+    def _notice(self, text: str, *, flood: bool = False) -> None:
+        """Pass one line to ``on_notice``; ``flood`` lines (bad messages, which a
+        hostile peer can send at any rate) only up to a limit, then counted."""
+        if flood:
+            self._notices += 1
+            if self._notices > _NOTICE_LIMIT + 1:
+                return
+            if self._notices == _NOTICE_LIMIT + 1:
+                text = "further malformed or undecodable messages are only counted"
+        if self._on_notice is not None:
+            self._on_notice(text)
+
     # -- lifetime ---------------------------------------------------------------
 
     def close(self) -> None:
-        if getattr(self, "_closed", False):
+        if self._closed:
             return
         self._closed = True
-        self._sub.close(linger=0)
-        if self._dealer is not None:
-            self._dealer.close(linger=0)
-        self._ctx.term()
+        # Every socket closes with linger 0: closing never waits on a peer.
+        self._ctx.destroy(linger=0)
 
     def __enter__(self) -> KVEventSubscriber:
         return self
