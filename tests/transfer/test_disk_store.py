@@ -284,7 +284,7 @@ def test_missing_slab_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "field"),
     [
-        ({"geometry": "layers=3"}, "geometry_fingerprint"),
+        ({"geometry": "layers=3"}, "layers: "),
         ({"hash_fn": "sha256_cbor"}, "hash_fn"),
         ({"block_bytes": 4096}, "block_bytes"),
         ({"capacity": 32}, "capacity_blocks"),

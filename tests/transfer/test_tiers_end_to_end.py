@@ -155,10 +155,13 @@ def test_mismatched_engine_refuses_the_directory(tmp_path: Path) -> None:
         block_size=GEOM.block_size,
         dtype="bfloat16",
     )
-    with pytest.raises(DiskStoreMismatchError, match="geometry_fingerprint"):
+    with pytest.raises(DiskStoreMismatchError, match="dtype: 'float16' vs 'bfloat16'"):
         Rig(cpu_blocks=1, disk_dir=tmp_path, geometry=other)
-    with pytest.raises(DiskStoreMismatchError, match="geometry_fingerprint"):
+    with pytest.raises(DiskStoreMismatchError, match="layout: 'layer_first' vs 'cross_layer'"):
         Rig(cpu_blocks=1, disk_dir=tmp_path, kind="cross_layer")
+    with pytest.raises(DiskStoreMismatchError, match="model: 'test:rig-model' vs 'other'") as e:
+        Rig(cpu_blocks=1, disk_dir=tmp_path, model_id="other")
+    assert "\n" not in str(e.value)
 
 
 def test_unusable_disk_dir_is_a_start_up_error(tmp_path: Path) -> None:

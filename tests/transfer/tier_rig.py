@@ -39,6 +39,7 @@ class Rig:
         kind: str = "layer_first",
         write_mode: str = "write_back",
         geometry: KVGeometry = GEOM,
+        model_id: str = "test:rig-model",
         **tier_kw: object,
     ) -> None:
         self.layout = KVLayout(geometry, kind)
@@ -53,6 +54,7 @@ class Rig:
             self.gpu,
             self.layout,
             hash_fn="xxhash64",
+            model_id=model_id,
             disk_dir=disk_dir,
             disk_blocks=disk_blocks,
             redis_url=redis_url,

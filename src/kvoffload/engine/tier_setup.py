@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvoffload.engine.config import EngineConfig
+from kvoffload.engine.model_identity import engine_model_identity
 from kvoffload.engine.model_runner import ModelRunner
 from kvoffload.offload import CPUOffloadingManager
 from kvoffload.offload.base import OffloadingManager
@@ -29,6 +30,8 @@ def build_lower_tiers(
         runner.kv_tensors,
         runner.layout,
         hash_fn=config.hash_fn,
+        model_id=engine_model_identity(config.model_path, runner.model_config, config.seed),
+        hash_seed=config.hash_seed,
         disk_dir=config.disk_dir,
         disk_bytes=config.disk_bytes,
         disk_blocks=None if config.disk_bytes else config.num_disk_blocks,

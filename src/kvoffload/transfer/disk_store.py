@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import shutil
-import struct
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -56,29 +55,42 @@ from kvoffload.transfer.block_buffers import (
     aligned_empty,
     as_block_views,
 )
+from kvoffload.transfer.disk_index import (
+    MAX_KEY_BYTES,
+    DiskEntry,
+    IndexLog,
+    del_record,
+    fsync_dir,
+    is_no_space,
+    put_record,
+)
+from kvoffload.transfer.slot_io import fingerprint_diff
 
 logger = logging.getLogger(__name__)
 
 ALIGN = 4096
 FORMAT_NAME = "kvoffload-disk-tier"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 CHECKSUM_NAME = "xxh3_64"
 MANIFEST_NAME = "manifest.json"
 INDEX_NAME = "index.log"
 LOCK_NAME = ".lock"
-MAX_KEY_BYTES = 64
 
-_OP_PUT = 1
-_OP_DEL = 2
-_REC_MAGIC = b"KVIX"
-# magic, op, key_len, pad, slot, seq, checksum, key, record checksum
-_RECORD = struct.Struct("<4sBBHIQQ64sI")
-_REC_BODY = _RECORD.size - 4
 # Bound on one preadv/pwritev: iovec count and bytes.
 _MAX_RUN_IOV = 512
 _MAX_RUN_BYTES = 4 << 20
 # Batches below this many bytes run on the calling thread (pool overhead dominates).
 _INLINE_BYTES = 1 << 20
+
+__all__ = [
+    "INDEX_NAME",
+    "MANIFEST_NAME",
+    "DiskBlockStore",
+    "DiskEntry",
+    "DiskStoreError",
+    "DiskStoreMismatchError",
+    "DiskStoreStats",
+]
 
 
 class DiskStoreError(RuntimeError):
@@ -86,122 +98,77 @@ class DiskStoreError(RuntimeError):
 
 
 class DiskStoreMismatchError(DiskStoreError):
-    """The directory holds a disk tier written by an incompatible engine."""
-
-
-@dataclass(frozen=True)
-class DiskEntry:
-    """One stored block: ``key`` at ``slot``, with its checksum and write sequence."""
-
-    key: bytes
-    slot: int
-    checksum: int
-    seq: int
+    """The directory holds a disk tier written by another model or an incompatible engine."""
 
 
 @dataclass
 class DiskStoreStats:
     blocks_written: int = 0
     blocks_read: int = 0
+    #: Blocks whose slab write failed (they were not stored).
     write_errors: int = 0
+    #: Index records the filesystem refused (those blocks are served until a restart loses them).
+    index_errors: int = 0
+    #: Compactions of the index that could not be written (the log is kept as it was).
+    compaction_errors: int = 0
     misses: int = 0
     corrupt_blocks: int = 0
     truncated_blocks: int = 0
 
 
-def _record(op: int, slot: int, seq: int = 0, checksum: int = 0, key: bytes = b"") -> bytes:
-    body = _RECORD.pack(_REC_MAGIC, op, len(key), 0, slot, seq, checksum, key, 0)[:_REC_BODY]
-    return body + struct.pack("<I", xxhash.xxh32_intdigest(body))
+class _WriteAlarm:
+    """One warning when disk-tier writes start failing, one when they work again, with counts.
 
+    A full filesystem fails every write for as long as it lasts; a warning
+    per failure would flood the log, none would hide it. Callers hold the
+    store's lock.
+    """
 
-def _parse_record(rec: bytes) -> tuple[int, int, int, int, bytes] | None:
-    if len(rec) != _RECORD.size:
-        return None
-    magic, op, key_len, _, slot, seq, checksum, key, crc = _RECORD.unpack(rec)
-    if magic != _REC_MAGIC or crc != xxhash.xxh32_intdigest(rec[:_REC_BODY]):
-        return None
-    if op not in (_OP_PUT, _OP_DEL) or key_len > MAX_KEY_BYTES:
-        return None
-    return op, slot, seq, checksum, key[:key_len]
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.failing = False
+        self.blocks = 0
+        self.records = 0
 
-
-class _IndexLog:
-    """The append-only index file; the caller serialises every call."""
-
-    def __init__(self, path: Path, durable: bool) -> None:
-        self.path = path
-        self.durable = durable
-        self.num_records = 0
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
-
-    def replay(self) -> tuple[dict[int, DiskEntry], int]:
-        """Live entries by slot, and how many damaged records were skipped."""
-        with open(self.path, "rb") as f:
-            data = f.read()
-        entries: dict[int, DiskEntry] = {}
-        bad = 0
-        n = len(data) // _RECORD.size
-        for i in range(n):
-            parsed = _parse_record(data[i * _RECORD.size : (i + 1) * _RECORD.size])
-            if parsed is None:
-                # Skipping a damaged DEL may resurrect an older PUT; that block's
-                # checksum then fails on read (its slot was rewritten), so it is
-                # still never returned.
-                bad += 1
-                continue
-            op, slot, seq, checksum, key = parsed
-            if op == _OP_PUT:
-                entries[slot] = DiskEntry(key, slot, checksum, seq)
-            else:
-                entries.pop(slot, None)
-        if len(data) % _RECORD.size:
-            bad += 1  # a torn tail record
-        self.num_records = n
-        return entries, bad
-
-    def append(self, records: Sequence[bytes]) -> None:
-        if not records:
+    def failed(self, err: BaseException, blocks: int = 0, records: int = 0) -> None:
+        self.blocks += blocks
+        self.records += records
+        if self.failing:
             return
-        buf = b"".join(records)
-        view = memoryview(buf)
-        while view:
-            written = os.write(self._fd, view)
-            view = view[written:]
-        if self.durable:
-            os.fsync(self._fd)
-        self.num_records += len(records)
+        self.failing = True
+        why = "the filesystem is full" if is_no_space(err) else "writes fail"
+        logger.warning(
+            "disk tier %s: %s (%s); disk-tier writes are skipped and counted until they "
+            "succeed again (%d blocks, %d index records so far)",
+            self.directory,
+            why,
+            err,
+            self.blocks,
+            self.records,
+        )
 
-    def rewrite(self, entries: Iterable[DiskEntry]) -> None:
-        """Replace the log by a snapshot of ``entries`` (atomic: temp file + rename)."""
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        records = [_record(_OP_PUT, e.slot, e.seq, e.checksum, e.key) for e in entries]
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, b"".join(records))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
-        _fsync_dir(self.path.parent)
-        os.close(self._fd)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND)
-        self.num_records = len(records)
+    def succeeded(self) -> None:
+        if not self.failing:
+            return
+        self.failing = False
+        logger.warning(
+            "disk tier %s: writes succeed again (%d block writes and %d index records "
+            "failed meanwhile)",
+            self.directory,
+            self.blocks,
+            self.records,
+        )
+        self.blocks = self.records = 0
 
-    def sync(self) -> None:
-        os.fsync(self._fd)
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    def report_at_close(self) -> None:
+        if self.failing:
+            logger.warning(
+                "disk tier %s: closed while writes were failing (%d block writes and %d index "
+                "records failed since the first failure)",
+                self.directory,
+                self.blocks,
+                self.records,
+            )
 
 
 def _skip(iov: list[Any], done: int) -> list[Any]:
@@ -242,14 +209,24 @@ def _round_up(n: int, a: int) -> int:
 class DiskBlockStore:
     """Fixed-size blocks in preallocated slab files under ``directory``.
 
-    ``geometry_fingerprint`` (the KV layout, dtype and block size, as a
-    string) and ``hash_fn`` (the block hash function's name) are recorded in
-    the manifest; re-opening with other values, another ``block_bytes`` or
-    another capacity raises ``DiskStoreMismatchError``. ``direct_io``: None
+    ``geometry_fingerprint`` is the tier's identity: everything that decides
+    the stored bytes (the model, KV geometry, dtype, quantisation, layout,
+    hash function and seed, parallel rank; ``slot_io.tier_fingerprint``
+    builds it). It and ``hash_fn`` are recorded in the manifest; re-opening
+    with other values, another ``block_bytes`` or another capacity raises
+    ``DiskStoreMismatchError``, whose one-line message names each differing
+    field with the directory's value and this engine's. ``direct_io``: None
     probes O_DIRECT and falls back to buffered I/O; True requires it; False
     never uses it. ``durable=True`` fsyncs data before index records (and the
     index after each batch); without it a crash may lose recent entries but,
     thanks to checksums, never returns a torn block.
+
+    A full filesystem (or any write error) never raises from ``put``,
+    ``remove`` or ``get_into``: the blocks concerned are not stored (or their
+    index records not persisted), ``stats`` counts them, one warning says
+    when failures start and one when writes succeed again. Re-opening on a
+    full filesystem works: the index is read, a torn tail is cut (which
+    needs no space) and compaction waits until there is room.
 
     Thread-safe: batch calls may come from several threads at once.
     """
@@ -290,7 +267,9 @@ class DiskBlockStore:
         self._next_seq = 1
         self._fds: list[int] = []
         self._lock_fd = -1
-        self._index: _IndexLog | None = None
+        self._index: IndexLog | None = None
+        self._alarm = _WriteAlarm(self.directory)
+        self._compact_at = 0
         self._tls = threading.local()
         self._pad = np.zeros(self.slot_bytes - block_bytes, dtype=np.uint8)
         self._closed = False
@@ -353,9 +332,10 @@ class DiskBlockStore:
             if fresh:
                 self._check_free_space()
             self._open_slabs(direct_io, fresh)
-            self._index = _IndexLog(d / INDEX_NAME, self.durable)
+            self._index = IndexLog(d / INDEX_NAME, self.durable)
             if fresh:
-                self._index.rewrite([])
+                if not self._index.rewrite([]):
+                    raise self._index.last_error or OSError("index rewrite failed")
                 self._write_manifest(manifest_path)
             else:
                 self._load_index()
@@ -375,15 +355,20 @@ class DiskBlockStore:
             raise DiskStoreMismatchError(
                 f"{path} is not a kvoffload disk tier manifest; use another directory"
             )
-        diffs = [
-            f"{k}: directory has {have.get(k)!r}, this engine has {v!r}"
-            for k, v in want.items()
-            if have.get(k) != v
-        ]
+        diffs: list[str] = []
+        for k, v in want.items():
+            if have.get(k) == v:
+                continue
+            old = have.get(k)
+            if k == "geometry_fingerprint" and isinstance(old, str):
+                diffs += fingerprint_diff(old, v)
+            else:
+                diffs.append(f"{k}: {old!r} vs {v!r}")
         if diffs:
             raise DiskStoreMismatchError(
-                f"disk tier directory {self.directory} was written by an incompatible "
-                f"configuration ({'; '.join(diffs)}); use another directory or delete it"
+                f"disk tier directory {self.directory} holds blocks of another model or "
+                f"configuration (directory vs this engine: {'; '.join(diffs)}); "
+                f"use another directory or delete it"
             )
 
     def _write_manifest(self, path: Path) -> None:
@@ -395,7 +380,7 @@ class DiskBlockStore:
         finally:
             os.close(fd)
         os.replace(tmp, path)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
 
     def _check_free_space(self) -> None:
         need = self.capacity_blocks * self.slot_bytes
@@ -423,7 +408,7 @@ class DiskBlockStore:
                     if not fresh:
                         # Slots past the end were lost; their entries are dropped on load.
                         self._truncated_from[i] = have // self.slot_bytes
-                    self._preallocate(fd, have, size)
+                    self._preallocate(fd, have, size, fresh)
             finally:
                 os.close(fd)
         self.direct_io = False
@@ -438,14 +423,22 @@ class DiskBlockStore:
             os.open(self._slab_path(i), os.O_RDWR | extra) for i in range(self._num_files())
         ]
 
-    def _preallocate(self, fd: int, have: int, size: int) -> None:
+    def _preallocate(self, fd: int, have: int, size: int, fresh: bool) -> None:
         try:
             os.posix_fallocate(fd, have, size - have)
         except OSError as e:
-            if e.errno == 28:  # ENOSPC
+            if is_no_space(e) and fresh:
                 raise DiskStoreError(
                     f"not enough free space in {self.directory} for the disk tier's slabs"
                 ) from e
+            if is_no_space(e):
+                # A re-opened slab that lost its tail, on a full filesystem: extend it
+                # sparse; writes into the hole fail (and are counted) until room returns.
+                logger.warning(
+                    "disk tier %s: no space to re-allocate a truncated slab; its lost "
+                    "slots stay unallocated until room returns",
+                    self.directory,
+                )
             # Filesystems without fallocate get a sparse file.
             os.ftruncate(fd, size)
 
@@ -490,7 +483,8 @@ class DiskBlockStore:
                 dropped,
             )
         if bad or dropped or self._index.num_records > 2 * len(entries) + 1024:
-            self._index.rewrite(sorted(entries.values(), key=lambda e: e.seq))
+            # Compaction is an optimisation: on a full filesystem the log is kept as it is.
+            self._compact(entries.values(), at_open=True)
 
     # -- index --------------------------------------------------------------
 
@@ -525,31 +519,68 @@ class DiskBlockStore:
                 e = self._by_key.pop(bytes(k), None)
                 if e is not None:
                     del self._by_slot[e.slot]
-                    records.append(_record(_OP_DEL, e.slot))
+                    records.append(del_record(e.slot))
             self._append(records)
             return len(records)
 
     def clear(self) -> None:
+        """Forget every block (the slabs keep their bytes; nothing is reachable any more)."""
         with self._lock:
             self._by_key.clear()
             self._by_slot.clear()
             assert self._index is not None
-            self._index.rewrite([])
+            self._index.truncate()  # needs no free space, unlike a rewrite
 
-    def _append(self, records: list[bytes]) -> None:
-        """Append index records; the caller holds ``_lock``."""
+    def _append(self, records: list[bytes], healthy: bool = True) -> bool:
+        """Append index records; the caller holds ``_lock``. False when refused (counted).
+
+        ``healthy``: whether a success means writes work again (False when the
+        caller's own block writes failed or are still to come).
+
+        A refused DEL leaves an older PUT in the log for a slot about to be
+        overwritten; after a restart that entry fails its checksum (the slot
+        holds other bytes) and is dropped, so it is never served.
+        """
         index = self._index
         assert index is not None
-        index.append(records)
-        if index.num_records > 2 * len(self._by_slot) + 1024 + self.capacity_blocks:
-            index.rewrite(sorted(self._by_slot.values(), key=lambda e: e.seq))
+        if not records:
+            return True
+        if not index.append(records):
+            self.stats.index_errors += len(records)
+            assert index.last_error is not None
+            self._alarm.failed(index.last_error, records=len(records))
+            return False
+        if healthy:
+            self._alarm.succeeded()
+        threshold = 2 * len(self._by_slot) + 1024 + self.capacity_blocks
+        if index.num_records > max(self._compact_at, threshold):
+            self._compact(self._by_slot.values())
+        return True
+
+    def _compact(self, entries: Iterable[DiskEntry], at_open: bool = False) -> None:
+        """Rewrite the index as a snapshot; on failure keep the log and retry much later."""
+        index = self._index
+        assert index is not None
+        if index.rewrite(sorted(entries, key=lambda e: e.seq)):
+            self._compact_at = 0
+            return
+        self.stats.compaction_errors += 1
+        # The log stays valid as it is; try again once it grew by a capacity's worth.
+        self._compact_at = index.num_records + self.capacity_blocks + 1024
+        logger.warning(
+            "disk tier %s: could not compact %s (%s); keeping it as it is%s",
+            self.directory,
+            INDEX_NAME,
+            index.last_error,
+            " (opened read-mostly until there is room)" if at_open else "",
+        )
 
     def _drop_if_current(self, entry: DiskEntry) -> None:
         """Drop ``entry`` unless it was replaced meanwhile; the caller holds ``_lock``."""
         if self._by_slot.get(entry.slot) is entry:
             del self._by_slot[entry.slot]
             del self._by_key[entry.key]
-            self._append([_record(_OP_DEL, entry.slot)])
+            self._append([del_record(entry.slot)])
 
     # -- I/O plumbing -------------------------------------------------------
 
@@ -674,26 +705,30 @@ class DiskBlockStore:
                         self._by_slot.pop(old.slot, None)
                         self._by_key.pop(old.key, None)
                         if old.slot != s:
-                            records.append(_record(_OP_DEL, old.slot))
-            self._append(records)
+                            records.append(del_record(old.slot))
+            self._append(records, healthy=False)
 
-        def write(run: list[int]) -> bool:
+        def write(run: list[int]) -> OSError | None:
             try:
                 self._write_run(slots[run[0]], [views[i] for i in run])
-                return True
+                return None
             except OSError as e:
-                logger.warning("disk tier %s: write failed: %s", self.directory, e)
-                return False
+                return e
 
         runs = self._runs(slots)
-        ok_runs = self._fan_out(runs, write, n * self.slot_bytes)
+        errs = self._fan_out(runs, write, n * self.slot_bytes)
         ok = [False] * n
-        for run, good in zip(runs, ok_runs):
+        for run, err in zip(runs, errs):
             for i in run:
-                ok[i] = good
-        if self.durable:
-            for fd in self._fds:
-                os.fdatasync(fd)
+                ok[i] = err is None
+        first_err = next((e for e in errs if e is not None), None)
+        if self.durable and first_err is None:
+            try:
+                for fd in self._fds:
+                    os.fdatasync(fd)
+            except OSError as e:
+                first_err = e
+                ok = [False] * n
         with self._lock:
             records = []
             for i in range(n):
@@ -708,10 +743,13 @@ class DiskBlockStore:
                 self._next_seq += 1
                 self._by_slot[s] = e
                 self._by_key[k] = e
-                records.append(_record(_OP_PUT, s, e.seq, e.checksum, k))
-            self._append(records)
+                records.append(put_record(e))
+            failed = n - len(records)
             self.stats.blocks_written += len(records)
-            self.stats.write_errors += n - len(records)
+            self.stats.write_errors += failed
+            if first_err is not None:
+                self._alarm.failed(first_err, blocks=failed)
+            self._append(records, healthy=first_err is None)
         return ok
 
     # -- batch reads --------------------------------------------------------
@@ -823,7 +861,11 @@ class DiskBlockStore:
         self._pool.shutdown(wait=True)
         try:
             self.flush()
+        except OSError as e:
+            # Closing must not fail on a full disk: checksums guard whatever did not land.
+            logger.warning("disk tier %s: final flush failed: %s", self.directory, e)
         finally:
+            self._alarm.report_at_close()
             self._release()
 
     def __enter__(self) -> DiskBlockStore:

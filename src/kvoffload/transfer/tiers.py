@@ -7,6 +7,15 @@ Errors in the configuration (an unwritable directory, a directory written
 by an incompatible engine, a malformed Redis URL, rejected credentials) are
 raised here, before the engine starts serving; an unreachable Redis server
 is only a warning (the tier starts in an outage and recovers on its own).
+
+Tier identity: both lower tiers are keyed by ``slot_io.tier_fingerprint``,
+which covers the model (``model_id``, computed by the engine layer:
+``kvoffload.engine.model_identity``), the KV geometry, dtype, quantisation
+and layout, the block hash function and its seed, and the tensor-parallel
+rank and size. A disk directory written under another fingerprint is
+refused with a one-line ``DiskStoreMismatchError`` naming the differing
+fields; a Redis server simply holds each fingerprint's blocks under its own
+namespace prefix, so engines that differ never see each other's blocks.
 """
 
 from __future__ import annotations
@@ -87,6 +96,11 @@ def make_lower_tiers(
     layout: KVLayout,
     *,
     hash_fn: str,
+    model_id: str,
+    hash_seed: str | None = "",
+    kv_quant: str = "none",
+    tp_rank: int = 0,
+    tp_size: int = 1,
     disk_dir: str | os.PathLike[str] | None = None,
     disk_blocks: int | None = None,
     disk_bytes: int | str | None = None,
@@ -102,13 +116,27 @@ def make_lower_tiers(
     """Disk (if ``disk_dir``) then remote (if ``redis_url``) tiers under ``cpu``.
 
     ``disk_blocks`` or ``disk_bytes`` (e.g. "20GiB") sizes the disk tier in
-    CPU slots. ``hash_fn`` is the block hash function's name: blocks hashed
-    differently never match, so it is part of what a store checks.
+    CPU slots. ``hash_fn`` and ``hash_seed`` name the block hash function
+    and its chain seed (None: random per process); ``model_id`` is the
+    model's identity string (non-empty); ``kv_quant`` names a KV
+    quantisation ("none"); ``tp_rank``/``tp_size`` the tensor-parallel
+    position. All of them go into the tiers' fingerprint (module docstring).
     """
     if not disk_dir and not redis_url:
         raise ValueError("make_lower_tiers needs a disk_dir, a redis_url, or both")
+    if not model_id:
+        raise ValueError("make_lower_tiers needs the model's identity (model_id)")
     slot_bytes = host_pool.slot_bytes
-    fingerprint = tier_fingerprint(layout, host_pool.block_size_factor)
+    fingerprint = tier_fingerprint(
+        layout,
+        host_pool.block_size_factor,
+        model_id=model_id,
+        hash_fn=hash_fn,
+        hash_seed=hash_seed,
+        kv_quant=kv_quant,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    )
     lower: list[LowerTierManager] = []
     disk_store = redis_store = None
     disk_handler = redis_handler = None
