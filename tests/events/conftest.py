@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import zmq
 
-from kvoffload.events.publisher import ZmqEventPublisher
+from kvoffload.events.publisher import END_SEQ, ZmqEventPublisher
 from kvoffload.events.types import AllBlocksCleared
 
 TOPIC = "kv-events"
@@ -53,3 +55,61 @@ def wait_subscribed(
                 pass
             return
     raise AssertionError("subscriber never received a probe batch")
+
+
+class FakePublisher:
+    """A test-scripted publisher: XPUB (to see the subscription) + ROUTER.
+
+    ``replay_answers`` None: a replay socket that never answers. ``framing``
+    "vllm" answers ``[b"", topic, seq, payload]`` / ``[b"", b"", END, b""]``
+    (vLLM 0.33), "legacy" ``[b"", seq, payload]`` / ``[b"", END, b""]``.
+    """
+
+    def __init__(
+        self, replay_answers: list[tuple[int, bytes]] | None, framing: str = "vllm"
+    ) -> None:
+        self.framing = framing
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.XPUB)
+        self.pub.bind(LOOPBACK_ANY)
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.bind(LOOPBACK_ANY)
+        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.requests: list[int] = []
+        self._answers = replay_answers
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve_replay, daemon=True)
+        self._thread.start()
+
+    def wait_subscriber(self) -> None:
+        assert self.pub.poll(5000)
+        assert self.pub.recv()[0] == 1  # a subscribe message
+
+    def send(self, seq: int, payload: bytes) -> None:
+        self.pub.send_multipart([TOPIC.encode(), seq.to_bytes(8, "big"), payload])
+
+    def _serve_replay(self) -> None:
+        while not self._stop.is_set():
+            if not self.router.poll(20):
+                continue
+            ident, empty, start = self.router.recv_multipart()
+            assert empty == b""
+            self.requests.append(int.from_bytes(start, "big"))
+            if self._answers is None:
+                continue  # a replay socket that never answers
+            topic = [TOPIC.encode()] if self.framing == "vllm" else []
+            for seq, payload in self._answers:
+                if seq >= self.requests[-1]:
+                    self.router.send_multipart(
+                        [ident, b"", *topic, seq.to_bytes(8, "big"), payload]
+                    )
+            end_topic = [b""] if self.framing == "vllm" else []
+            self.router.send_multipart([ident, b"", *end_topic, END_SEQ, b""])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+        self.ctx.term()

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import threading
 
-import zmq
-
-from kvoffload.events.publisher import END_SEQ, ZmqEventPublisher
+from kvoffload.events.publisher import ZmqEventPublisher
 from kvoffload.events.subscriber import GapReport, KVEventSubscriber, ReceivedBatch, connectable
 from kvoffload.events.types import (
     AllBlocksCleared,
@@ -16,7 +14,7 @@ from kvoffload.events.types import (
     encode_batch,
     vllm_block_hash,
 )
-from tests.events.conftest import LOOPBACK_ANY, TOPIC, PublisherFactory, wait_subscribed
+from tests.events.conftest import TOPIC, FakePublisher, PublisherFactory, wait_subscribed
 
 _PAD = "x" * 30_000
 
@@ -141,52 +139,6 @@ def test_without_replay_endpoint_gaps_are_lost(make_pub: PublisherFactory) -> No
     assert sorted(seqs + lost) == list(range(start, start + 1000))
     assert not any(r.replayed for r in got)
     assert sub.stats.gaps >= 1
-
-
-class FakePublisher:
-    """A test-scripted vLLM-protocol peer: XPUB (to see the subscription) + ROUTER."""
-
-    def __init__(self, replay_answers: list[tuple[int, bytes]] | None) -> None:
-        self.ctx = zmq.Context()
-        self.pub = self.ctx.socket(zmq.XPUB)
-        self.pub.bind(LOOPBACK_ANY)
-        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.bind(LOOPBACK_ANY)
-        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.requests: list[int] = []
-        self._answers = replay_answers
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve_replay, daemon=True)
-        self._thread.start()
-
-    def wait_subscriber(self) -> None:
-        assert self.pub.poll(5000)
-        assert self.pub.recv()[0] == 1  # a subscribe message
-
-    def send(self, seq: int, payload: bytes) -> None:
-        self.pub.send_multipart([TOPIC.encode(), seq.to_bytes(8, "big"), payload])
-
-    def _serve_replay(self) -> None:
-        while not self._stop.is_set():
-            if not self.router.poll(20):
-                continue
-            ident, empty, start = self.router.recv_multipart()
-            assert empty == b""
-            self.requests.append(int.from_bytes(start, "big"))
-            if self._answers is None:
-                continue  # a replay socket that never answers
-            for seq, payload in self._answers:
-                if seq >= self.requests[-1]:
-                    self.router.send_multipart([ident, b"", seq.to_bytes(8, "big"), payload])
-            self.router.send_multipart([ident, b"", END_SEQ, b""])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.pub.close(linger=0)
-        self.router.close(linger=0)
-        self.ctx.term()
 
 
 def _payload(seq: int) -> bytes:

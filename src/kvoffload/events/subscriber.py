@@ -26,8 +26,8 @@ Invariants:
   came for ``replay_timeout_s``; then it hands out what it got, including
   batches newer than the one that revealed the gap. Replay never makes
   ``recv`` overrun its caller's deadline: the request stays open across calls.
-* After a replay timed out, replays back off (doubling up to
-  ``replay_backoff_max_s``); a gap met while backing off is recorded lost at
+* After a replay timed out, replays back off (``replay_backoff_s``, doubling
+  up to ``replay_backoff_max_s``); a gap met while backing off is recorded lost at
   once rather than waited for. A replay that answers resets the backoff.
 """
 
@@ -50,6 +50,7 @@ DEFAULT_RCVHWM = 100_000
 #: A forward jump in seq beyond this is a resync, not a gap to replay.
 DEFAULT_MAX_GAP = 1 << 32
 DEFAULT_REPLAY_TIMEOUT_S = 1.0
+DEFAULT_REPLAY_BACKOFF_S = 1.0
 DEFAULT_REPLAY_BACKOFF_MAX_S = 30.0
 # Live messages handled per pump at most, so one recv() returns promptly
 # under a flood.
@@ -120,6 +121,8 @@ class KVEventSubscriber:
     out everything from this seq on, as far as the publisher's replay buffer
     reaches (None: start with whatever arrives first). ``replay_timeout_s``
     is how long a replay may go without a reply before the rest is given up;
+    after that, replays pause for ``replay_backoff_s``, doubling at each
+    further timeout up to ``replay_backoff_max_s``;
     ``on_gap`` is called once per gap, after the fill attempt; ``on_notice``
     gets one line per resync, replay timeout and undecodable or malformed
     message.
@@ -134,6 +137,7 @@ class KVEventSubscriber:
         start_seq: int | None = None,
         rcvhwm: int = DEFAULT_RCVHWM,
         replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
+        replay_backoff_s: float = DEFAULT_REPLAY_BACKOFF_S,
         replay_backoff_max_s: float = DEFAULT_REPLAY_BACKOFF_MAX_S,
         max_gap: int = DEFAULT_MAX_GAP,
         on_gap: Callable[[GapReport], None] | None = None,
@@ -143,6 +147,7 @@ class KVEventSubscriber:
             raise ValueError(f"start_seq must be >= 0, got {start_seq}")
         for name, value in (
             ("replay_timeout_s", replay_timeout_s),
+            ("replay_backoff_s", replay_backoff_s),
             ("replay_backoff_max_s", replay_backoff_max_s),
         ):
             if not math.isfinite(value) or value <= 0:
@@ -154,7 +159,8 @@ class KVEventSubscriber:
         self.replay_endpoint = connectable(replay_endpoint) if replay_endpoint else None
         self.topic = topic
         self._replay_timeout_s = replay_timeout_s
-        self._backoff_max_s = replay_backoff_max_s
+        self._backoff_min_s = replay_backoff_s
+        self._backoff_max_s = max(replay_backoff_s, replay_backoff_max_s)
         self._max_gap = max_gap
         self._on_gap = on_gap
         self._on_notice = on_notice
@@ -376,7 +382,7 @@ class KVEventSubscriber:
         if timed_out:
             self.stats.replay_timeouts += 1
             self._backoff_s = min(
-                self._backoff_max_s, max(2 * self._backoff_s, self._replay_timeout_s)
+                self._backoff_max_s, max(2 * self._backoff_s, self._backoff_min_s)
             )
             self._backoff_until = time.monotonic() + self._backoff_s
             self._notice(
