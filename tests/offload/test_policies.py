@@ -27,9 +27,11 @@ def one_by_one(policy: CachePolicy, *ids: int) -> None:
 
 
 def test_registry_knows_every_policy() -> None:
-    assert {"lru", "lru_flat", "chain_lru", "arc", "s3fifo", "sieve"} <= set(policy_names())
+    assert {"lru", "lru_flat", "chain_lru", "arc", "s3fifo", "sieve", "arc_admit", "lru_admit"} <= set(
+        policy_names()
+    )
     assert isinstance(make_policy("arc", 4), ARCPolicy)
-    with pytest.raises(ValueError, match="known: arc, chain_lru"):
+    with pytest.raises(ValueError, match="known: arc, arc_admit, chain_lru"):
         make_policy("lfu", 4)
     with pytest.raises(ValueError, match="capacity"):
         make_policy("lru", 0)

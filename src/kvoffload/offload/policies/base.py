@@ -47,6 +47,15 @@ class CachePolicy(ABC):
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.capacity = capacity
 
+    def clear(self) -> None:
+        """Forget every key, ghost and adaptive state, as when new (the tier was reset).
+
+        The default rebuilds the policy empty through ``__init__(capacity)``:
+        cheap (no per-key work), and right for any policy whose state is all
+        set up there. The caller must hold no pins (the manager resets only then).
+        """
+        type(self).__init__(self, self.capacity)  # type: ignore[misc]
+
     @staticmethod
     def chain_order(keys: Sequence[OffloadKey]) -> Sequence[OffloadKey]:
         """The order in which one call's keys are applied: tail first, head last."""

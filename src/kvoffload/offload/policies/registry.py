@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvoffload.offload.policies.admission import AdmitARCPolicy, AdmitLRUPolicy
 from kvoffload.offload.policies.arc import ARCPolicy
 from kvoffload.offload.policies.base import CachePolicy
 from kvoffload.offload.policies.chain_lru import ChainLRUPolicy
@@ -21,7 +22,16 @@ def register_policy(cls: type[CachePolicy]) -> type[CachePolicy]:
     return cls
 
 
-for _cls in (LRUPolicy, FlatLRUPolicy, ChainLRUPolicy, ARCPolicy, S3FIFOPolicy, SievePolicy):
+for _cls in (
+    LRUPolicy,
+    FlatLRUPolicy,
+    ChainLRUPolicy,
+    ARCPolicy,
+    S3FIFOPolicy,
+    SievePolicy,
+    AdmitARCPolicy,
+    AdmitLRUPolicy,
+):
     register_policy(_cls)
 
 
