@@ -36,6 +36,9 @@ from vllm.config import (
 )
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
@@ -50,7 +53,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from kvoffload.integrations.vllm import KVOffloadConnector, KVOffloadWorker
+from kvoffload.integrations.vllm import KVOffloadManager, KVOffloadWorker
 
 BLOCK_SIZE = 16
 NUM_LAYERS = 2
@@ -152,7 +155,7 @@ def kv_cache_config(num_blocks: int) -> KVCacheConfig:
 def pattern(block_hash: bytes, plane: int, nbytes: int) -> np.ndarray:
     """The bytes the fake model "computes" for one plane row of the block with this hash."""
     digest = hashlib.shake_128(bytes(block_hash) + plane.to_bytes(2, "big")).digest(nbytes)
-    return np.frombuffer(digest, dtype=np.int8)
+    return np.frombuffer(bytearray(digest), dtype=np.int8)
 
 
 @dataclass
@@ -168,7 +171,7 @@ class VLLMRig:
 
     config: VllmConfig
     scheduler: Scheduler
-    worker_connector: KVOffloadConnector | None
+    worker_connector: OffloadingConnector | None
     kv_caches: dict[str, torch.Tensor]
     hash_fn: Any
     first_computed: dict[str, int] = field(default_factory=dict)
@@ -176,6 +179,7 @@ class VLLMRig:
     blocks_verified: int = 0
     mismatches: list[tuple[str, int]] = field(default_factory=list)
     outputs: list[Any] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
     _pending: dict[int, _PendingLoad] = field(default_factory=dict)
     _written: dict[int, bytes] = field(default_factory=dict)
     _next_id: int = 0
@@ -204,6 +208,7 @@ class VLLMRig:
                 # vLLM builds the worker first (it sizes the KV cache), then the scheduler.
                 worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kcc)
                 kv_caches = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC)
+                assert isinstance(worker, OffloadingConnector)
                 worker.register_kv_caches(kv_caches)
             scheduler = scheduler_cls(
                 vllm_config=config,
@@ -235,8 +240,8 @@ class VLLMRig:
     @property
     def kv_worker(self) -> KVOffloadWorker:
         assert self.worker_connector is not None
-        worker = self.worker_connector.kvoffload_worker
-        assert worker is not None
+        worker = self.worker_connector.connector_worker.worker
+        assert isinstance(worker, KVOffloadWorker)
         return worker
 
     def _planes(self) -> list[torch.Tensor]:
@@ -260,6 +265,8 @@ class VLLMRig:
 
     def _compute(self, output: Any) -> None:
         """Write the KV of every block that became fully computed in this step."""
+        if self.worker_connector is None:
+            return
         for req_id, n in output.num_scheduled_tokens.items():
             request = self.scheduler.requests.get(req_id)
             if request is None:
@@ -294,6 +301,7 @@ class VLLMRig:
 
     def step(self) -> Any:
         output = self.scheduler.schedule()
+        self.preempted |= set(output.preempted_req_ids or ())
         for new in output.scheduled_new_reqs:
             self.first_computed.setdefault(new.req_id, new.num_computed_tokens)
         connector_output = None
@@ -318,8 +326,6 @@ class VLLMRig:
                 kv_connector_worker_meta=wc.build_connector_worker_meta(),
             )
             wc.clear_connector_metadata()
-        else:
-            self._compute(output)
         req_ids = list(output.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:
@@ -349,10 +355,12 @@ class VLLMRig:
         return self.kv_worker.num_in_flight() > 0 or bool(self.manager.num_in_flight())
 
     @property
-    def manager(self) -> Any:
+    def manager(self) -> KVOffloadManager:
         connector = self.scheduler.connector
-        assert isinstance(connector, KVOffloadConnector)
-        return connector.kvoffload_manager
+        assert isinstance(connector, OffloadingConnector)
+        manager = connector.connector_scheduler.manager
+        assert isinstance(manager, KVOffloadManager)
+        return manager
 
     def shutdown(self) -> None:
         if self.scheduler.connector is not None:

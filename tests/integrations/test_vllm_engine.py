@@ -1,0 +1,244 @@
+"""kvoffload inside vLLM 0.33's real scheduler and worker-side connector, on the CPU.
+
+Every engine here is built through the public names (``KVOffloadConnector``
+via ``kv_connector_module_path``, or vLLM's stock ``OffloadingConnector``
+with ``spec_name="KVOffloadSpec"``) by vLLM's own factories; see ``vllm_rig``.
+"""
+
+from tests.vllm_required import need_vllm
+
+need_vllm()
+
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import msgspec  # noqa: E402
+import pytest  # noqa: E402
+import zmq  # noqa: E402
+from vllm.distributed.kv_events import BlockStored, KVEventBatch  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+
+from kvoffload.integrations.vllm import KVOffloadConfigError  # noqa: E402
+from tests.conftest_redis import free_port  # noqa: E402
+from tests.integrations.vllm_rig import BLOCK_SIZE, VLLMRig  # noqa: E402
+
+PROMPT = list(range(1, 81))  # 5 full blocks
+PROMPT_BLOCKS = len(PROMPT) // BLOCK_SIZE
+PAGE_BYTES = 2048  # one layer's K and V of one block: 16 tokens x 2 heads x 16 x fp16 x 2
+BLOCK_BYTES = 2 * PAGE_BYTES  # two layers
+STOCK = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+STOCK_SPEC = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.integrations.vllm"}
+
+
+def flood(rig: VLLMRig, n: int = 3) -> None:
+    """Serve ``n`` unrelated prompts, enough to push every earlier block out of the GPU tier."""
+    for i in range(n):
+        rig.add([1000 + 100 * i + j for j in range(len(PROMPT))], req_id=f"flood{i}")
+    rig.run()
+
+
+def evict_and_return(rig: VLLMRig) -> int:
+    """Serve PROMPT, push it out of the GPU tier, serve it again; tokens computed at re-entry."""
+    rig.add(PROMPT, req_id="first")
+    rig.run()
+    flood(rig)
+    rig.add([*PROMPT, 5, 6], req_id="again")
+    rig.run()
+    return rig.first_computed["again"]
+
+
+def assert_no_leaks(rig: VLLMRig) -> None:
+    """Nothing pinned, storing or in flight on either side; every GPU block back in the pool."""
+    manager = rig.manager
+    assert manager.num_in_flight() == 0
+    cpu = manager.cpu
+    assert cpu.num_evictable_blocks() == cpu.num_stored_blocks(), "CPU blocks left pinned"
+    if manager.tiered is not None:
+        assert manager.tiered.num_in_flight() == 0
+    assert rig.kv_worker.num_in_flight() == 0
+    assert not rig.scheduler.requests
+    pool = rig.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == rig.scheduler.cache_config.num_gpu_blocks - 1
+
+
+@pytest.mark.parametrize("scheduler_cls", [Scheduler, AsyncScheduler])
+def test_cpu_tier_serves_a_prefix_the_gpu_tier_evicted(
+    tmp_path: Path, scheduler_cls: type[Scheduler], record_property
+) -> None:
+    baseline = VLLMRig.build(tmp_path / "gpu", scheduler_cls=scheduler_cls)
+    gpu_only = evict_and_return(baseline)
+    rig = VLLMRig.build(
+        tmp_path / "cpu", scheduler_cls=scheduler_cls, extra_config={"cpu_bytes": "1MiB"}
+    )
+    with_cpu = evict_and_return(rig)
+    record_property("computed_tokens_gpu_hit_alone", gpu_only)
+    record_property("computed_tokens_with_cpu_tier", with_cpu)
+    record_property("bytes_verified", rig.bytes_verified)
+    print(
+        f"{scheduler_cls.__name__}: computed tokens at re-entry: GPU hit alone {gpu_only}, "
+        f"with kvoffload's CPU tier {with_cpu}; loaded bytes verified {rig.bytes_verified}"
+    )
+    assert gpu_only == 0  # the flood evicted every block of PROMPT from the GPU tier
+    assert with_cpu == len(PROMPT) > gpu_only
+    assert rig.mismatches == []
+    assert rig.blocks_verified == PROMPT_BLOCKS
+    assert rig.bytes_verified == PROMPT_BLOCKS * BLOCK_BYTES
+    assert rig.kv_worker.bytes_loaded == PROMPT_BLOCKS * BLOCK_BYTES
+    assert_no_leaks(rig)
+    rig.shutdown()
+
+
+def test_stock_connector_with_kvoffload_spec(tmp_path: Path) -> None:
+    rig = VLLMRig.build(
+        tmp_path, extra_config={**STOCK_SPEC, "cpu_bytes_to_use": 1 << 20}, connector=STOCK
+    )
+    assert type(rig.scheduler.connector).__name__ == "OffloadingConnector"
+    assert evict_and_return(rig) == len(PROMPT)
+    assert rig.mismatches == [] and rig.bytes_verified == PROMPT_BLOCKS * BLOCK_BYTES
+    assert_no_leaks(rig)
+    rig.shutdown()
+
+
+def test_abort_while_load_in_flight_leaks_nothing(tmp_path: Path) -> None:
+    rig = VLLMRig.build(tmp_path, extra_config={"cpu_bytes": "1MiB"})
+    rig.add(PROMPT, req_id="first")
+    rig.run()
+    flood(rig)
+    rig.add([*PROMPT, 5, 6], req_id="again")
+    output = rig.step()
+    assert output.kv_connector_metadata.load_jobs, "the step should have started a load"
+    assert rig.scheduler.requests["again"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    rig.scheduler.finish_requests("again", RequestStatus.FINISHED_ABORTED)
+    rig.run()
+    assert_no_leaks(rig)
+    # The aborted request's blocks are still offered to the next one.
+    rig.add([*PROMPT, 9], req_id="later")
+    rig.run()
+    assert rig.first_computed["later"] == len(PROMPT)
+    assert rig.mismatches == []
+    assert_no_leaks(rig)
+    rig.shutdown()
+
+
+def test_preemption_with_transfers_in_flight_leaks_nothing(tmp_path: Path) -> None:
+    rig = VLLMRig.build(tmp_path, num_gpu_blocks=10, extra_config={"cpu_bytes": "1MiB"})
+    for i in range(3):
+        rig.add([1 + 7 * i + j for j in range(64)], max_tokens=40, req_id=f"long{i}")
+    rig.run(max_steps=400)
+    assert rig.preempted, "the GPU tier was meant to be too small for all three"
+    assert rig.mismatches == []
+    finished = {
+        o.request_id
+        for outs in rig.outputs
+        for eco in outs.values()
+        for o in eco.outputs
+        if o.finished
+    }
+    assert finished == {"long0", "long1", "long2"}
+    assert_no_leaks(rig)
+    rig.shutdown()
+
+
+def _subscribe(endpoint: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(endpoint)
+    return sock
+
+
+def _drain(sock: zmq.Socket, decoder: msgspec.msgpack.Decoder, until: float = 2.0) -> list:
+    events = []
+    while sock.poll(int(until * 1000)):
+        _topic, _seq, payload = sock.recv_multipart()
+        events.extend(decoder.decode(payload).events)
+        until = 0.2
+    return events
+
+
+def test_disk_tier_serves_after_cpu_eviction_with_events_from_vllms_publisher(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    extra = {"cpu_bytes": 6 * BLOCK_BYTES, "disk_dir": str(tmp_path / "disk"), "disk_bytes": "1MiB"}
+    os.makedirs(extra["disk_dir"])
+    # "tcp://*:port" makes vLLM's publisher bind; a host name would make it connect.
+    rig = VLLMRig.build(tmp_path, extra_config=extra, kv_events_endpoint=f"tcp://*:{port}")
+    sock = _subscribe(endpoint)
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    try:
+        assert evict_and_return(rig) == len(PROMPT)
+        events = _drain(sock, decoder)
+    finally:
+        sock.close(linger=0)
+    tiered = rig.manager.tiered
+    assert tiered is not None
+    assert tiered.hit_blocks_by_medium().get("DISK") == PROMPT_BLOCKS
+    assert rig.mismatches == [] and rig.bytes_verified == PROMPT_BLOCKS * BLOCK_BYTES
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    media = {(e.medium, e.ownership) for e in stored}
+    assert ("GPU", None) in media
+    assert ("CPU", None) in media
+    assert ("STORAGE", "DISK") in media
+    for e in stored:
+        if e.medium != "GPU":
+            assert e.block_size == 0  # sizes come from the GPU tier's events
+    assert_no_leaks(rig)
+    rig.shutdown()
+
+
+def test_failed_lower_tier_read_is_recomputed_not_fatal(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    extra = {"cpu_bytes": 6 * BLOCK_BYTES, "disk_dir": str(disk), "disk_bytes": "1MiB"}
+    rig = VLLMRig.build(tmp_path, extra_config=extra, recompute_failed_loads=True)
+    rig.add(PROMPT, req_id="first")
+    rig.run()
+    flood(rig)
+    for slab in disk.rglob("slab-*.bin"):
+        slab.write_bytes(os.urandom(slab.stat().st_size))
+    rig.add([*PROMPT, 5, 6], req_id="again")
+    rig.run()
+    assert rig.kv_worker.failed_jobs == 1
+    assert rig.manager.failed_loads == 1
+    finished = {
+        o.request_id: o.finish_reason
+        for outs in rig.outputs
+        for eco in outs.values()
+        for o in eco.outputs
+        if o.finished
+    }
+    assert "again" in finished and str(finished["again"]) != "error"
+    assert_no_leaks(rig)
+    # The unreadable blocks are gone from every tier: the next request misses cleanly.
+    tiered = rig.manager.tiered
+    assert tiered is not None and tiered.hit_blocks_by_medium().get("DISK", 0) == 0
+    rig.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ({"cpu_bytes": "1MiB", "cpu_bytez": 1}, "cpu_bytez"),
+        ({"cpu_bytes": "lots"}, "cpu_bytes"),
+        ({"cpu_bytes": "1MiB", "cache_policy": "mru"}, "cache_policy"),
+        ({"cpu_bytes": "1MiB", "disk_dir": "/tmp/x"}, "disk_bytes"),
+        ({"cpu_bytes": "1MiB", "write_through": "maybe"}, "write_through"),
+        ({"cpu_bytes": "1MiB", "spec_name": "CPUOffloadingSpec"}, "spec_name"),
+    ],
+)
+def test_bad_extra_config_fails_at_start_up_with_one_line(
+    tmp_path: Path, extra: dict, key: str
+) -> None:
+    with pytest.raises(KVOffloadConfigError) as info:
+        VLLMRig.build(tmp_path, extra_config=extra)
+    message = str(info.value)
+    assert "\n" not in message
+    assert repr(key) in message
+
+
+def test_unknown_key_through_the_stock_connector(tmp_path: Path) -> None:
+    with pytest.raises(KVOffloadConfigError, match="'cpu_bytez'"):
+        VLLMRig.build(tmp_path, extra_config={**STOCK_SPEC, "cpu_bytez": "1MiB"}, connector=STOCK)
