@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvoffload.blocks import FreeKVCacheBlockQueue, KVCacheBlock
+from kvoffload.cli import argtypes
 
 POP, FREE, HIT, WALK = range(4)
 OP_NAMES = ("popleft_n", "append_n", "remove", "iter_blocks_after")
@@ -138,11 +139,24 @@ def run_churn(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--blocks", type=int, default=100_000, help="queue size (default 100k)")
-    parser.add_argument("--ops", type=int, default=400_000, help="operations in the workload")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--baseline-seconds", type=float, default=5.0, help="time cap for the list baseline"
+        "--blocks",
+        type=argtypes.positive_int(50_000_000),
+        default=100_000,
+        help="queue size (default 100k)",
+    )
+    parser.add_argument(
+        "--ops",
+        type=argtypes.positive_int(100_000_000),
+        default=400_000,
+        help="operations in the workload",
+    )
+    parser.add_argument("--seed", type=argtypes.any_int(2**63 - 1, 0), default=0)
+    parser.add_argument(
+        "--baseline-seconds",
+        type=argtypes.finite_float(0.0, 3600.0),
+        default=5.0,
+        help="time cap for the list baseline",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -3,27 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import os
 
+# OpenMP reads its wait policy once, when torch loads it, so the default must be
+# set before the first import below pulls torch in: idle workers then sleep
+# instead of spinning, which keeps the engine fast beside a busy process (see
+# kvoffload.engine.threads). A value the user set wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from kvoffload.cli import argtypes
 from kvoffload.engine.config import KV_LAYOUTS, STORE_MODES, EngineConfig
 
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def byte_size(text: str) -> int:
-    from kvoffload.transfer.sizing import parse_bytes
-
-    try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+# Kept for callers that import them from here; the checks live in argtypes.
+positive_int = argtypes.positive_int()
+byte_size = argtypes.byte_size()
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,23 +25,45 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--model",
         dest="model_path",
+        type=argtypes.existing_dir,
         default=None,
         help="local dir with config.json + *.safetensors (Llama/Qwen2); "
         "default: the embedded random model",
     )
-    g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--block-size", type=positive_int, default=d.block_size)
+    g.add_argument("--seed", type=argtypes.any_int(2**32 - 1, 0), default=d.seed)
+    g.add_argument("--block-size", type=argtypes.positive_int(1 << 16), default=d.block_size)
     g.add_argument(
         "--gpu-blocks",
         dest="num_gpu_blocks",
-        type=positive_int,
+        type=argtypes.positive_int(1 << 32, minimum=2),
         default=d.num_gpu_blocks,
         help="GPU-tier size in blocks",
     )
-    g.add_argument("--max-num-seqs", type=positive_int, default=d.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=d.max_num_batched_tokens)
+    g.add_argument("--max-num-seqs", type=argtypes.positive_int(1 << 16), default=d.max_num_seqs)
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=argtypes.positive_int(1 << 24),
+        default=d.max_num_batched_tokens,
+    )
     g.add_argument("--kv-layout", choices=KV_LAYOUTS, default=d.kv_layout)
-    g.add_argument("--hash-fn", choices=("xxhash64", "sha256_cbor"), default=d.hash_fn)
+    g.add_argument(
+        "--hash-fn",
+        choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor", "xxhash64"),
+        default=d.hash_fn,
+    )
+    g.add_argument(
+        "--hash-seed",
+        default=d.hash_seed,
+        help="seed of the block-hash chains (vLLM's PYTHONHASHSEED role; default: "
+        "$PYTHONHASHSEED, else the hash function's fixed default)",
+    )
+    g.add_argument(
+        "--threads",
+        dest="num_threads",
+        type=argtypes.positive_int(1 << 10),
+        default=d.num_threads,
+        help="torch threads for the model (default: one per core)",
+    )
     o = parser.add_argument_group("offload")
     o.add_argument(
         "--store-mode",
@@ -60,7 +75,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument(
         "--cpu-blocks",
         dest="num_cpu_blocks",
-        type=positive_int,
+        type=argtypes.positive_int(1 << 40),
         default=d.num_cpu_blocks,
         help="CPU-tier size in blocks",
     )
@@ -76,12 +91,23 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="CPU-tier cache policy (default: the best measured one)",
     )
-    o.add_argument("--disk-dir", default=None, help="directory for a disk tier behind the CPU")
     o.add_argument(
-        "--disk-blocks", dest="num_disk_blocks", type=positive_int, default=d.num_disk_blocks
+        "--disk-dir",
+        type=argtypes.non_empty_path,
+        default=None,
+        help="directory for a disk tier behind the CPU",
     )
     o.add_argument(
-        "--redis-url", default=None, help="redis://host:port/db for a shared remote tier"
+        "--disk-blocks",
+        dest="num_disk_blocks",
+        type=argtypes.positive_int(1 << 40),
+        default=d.num_disk_blocks,
+    )
+    o.add_argument(
+        "--redis-url",
+        type=argtypes.redis_url,
+        default=None,
+        help="redis://host:port/db for a shared remote tier",
     )
     o.add_argument(
         "--write-through",
@@ -91,10 +117,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     e = parser.add_argument_group("events")
     e.add_argument(
         "--events-endpoint",
+        type=argtypes.zmq_endpoint,
         default=None,
         help="publish KV events on this ZMQ PUB endpoint, e.g. tcp://*:5557",
     )
-    e.add_argument("--events-replay-endpoint", default=None)
+    e.add_argument("--events-replay-endpoint", type=argtypes.zmq_endpoint, default=None)
+    e.add_argument(
+        "--events-format",
+        choices=("vllm", "legacy"),
+        default=d.events_format,
+        help="wire profile of published events: vllm (0.33's) or legacy (positional)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> EngineConfig:
@@ -119,7 +152,14 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
             "write_through",
             "events_endpoint",
             "events_replay_endpoint",
+            "events_format",
+            "hash_seed",
+            "num_threads",
         )
     }
     fields.update(overrides)
-    return EngineConfig(**fields)  # type: ignore[arg-type]
+    config = EngineConfig(**fields)  # type: ignore[arg-type]
+    from kvoffload.cli.preflight import check_engine_memory
+
+    check_engine_memory(config)  # refuse tiers that cannot fit before allocating
+    return config

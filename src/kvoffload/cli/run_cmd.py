@@ -10,20 +10,38 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvoffload.cli.engine_args import add_engine_arguments, engine_config_from_args, positive_int
+from kvoffload.cli import argtypes
+from kvoffload.cli.engine_args import add_engine_arguments, engine_config_from_args
+
+# The trace is generated up front; beyond this a run takes days on the reference
+# engine and its trace alone would not fit in memory.
+MAX_REQUESTS = 100_000
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     w = parser.add_argument_group("workload")
-    w.add_argument("--requests", type=positive_int, default=256, help="turns to serve")
-    w.add_argument("--concurrency", type=positive_int, default=8)
+    w.add_argument(
+        "--requests",
+        type=argtypes.positive_int(MAX_REQUESTS),
+        default=256,
+        help=f"turns to serve (at most {MAX_REQUESTS:,})",
+    )
+    w.add_argument("--concurrency", type=argtypes.positive_int(1 << 16), default=8)
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="serve the workload twice, offload off and with --store-mode, and compare "
+        "every sampled logits row and token bit for bit (exit 1 if any differs)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from kvoffload.bench.serving import demo_workload, serve
 
+    if args.verify:
+        return run_verify(args)
     config = engine_config_from_args(args)
     from kvoffload.engine.model_runner import peek_vocab_size
 
@@ -36,6 +54,52 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print_summary([summary], config.store_mode)
     return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """Offload off vs ``--store-mode``: 0 when every logits row and token is identical."""
+    from kvoffload.bench.serving import demo_workload, serve
+    from kvoffload.bench.verify import Recorder, compare
+    from kvoffload.engine.model_runner import peek_vocab_size
+
+    config = engine_config_from_args(args, record_logits=True)
+    if not config.offload_enabled:
+        raise ValueError(
+            "--verify compares offload off with a store mode: give --store-mode eager or lazy"
+        )
+    # The reference never offloads; events would only be published twice.
+    reference = engine_config_from_args(
+        args,
+        record_logits=True,
+        store_mode="off",
+        events_endpoint=None,
+        events_replay_endpoint=None,
+    )
+    workload = demo_workload(peek_vocab_size(config), args.requests, seed=config.seed)
+    recorded = []
+    summaries = []
+    for label, cfg in (("off", reference), (config.store_mode, config)):
+        rec = Recorder()
+        summaries.append(
+            serve(
+                cfg,
+                workload,
+                args.concurrency,
+                label=label,
+                show_progress=not args.json,
+                on_output=rec,
+            )
+        )
+        recorded.append(rec.outputs)
+    report = compare(recorded[0], recorded[1])
+    if args.json:
+        print(json.dumps({"verify": report.as_dict(), "results": [s.as_dict() for s in summaries]}))
+    else:
+        print_summary(summaries, f"verify: off vs {config.store_mode}")
+        print(report.line())
+        if not report.identical:
+            print(f"largest difference in a logits entry: {report.max_abs_diff:.3g}")
+    return 0 if report.identical else 1
 
 
 def print_summary(summaries: list, title: str = "") -> None:  # list[ServeSummary]

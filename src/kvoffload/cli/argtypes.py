@@ -1,0 +1,252 @@
+"""Argparse value types shared by every ``kvoffload`` command.
+
+Each factory returns a callable for ``add_argument(type=...)`` that either
+returns a checked value or raises ``argparse.ArgumentTypeError`` with a
+message naming what was expected, so a bad value ends in argparse's one-line
+error (exit 2) before any work starts. Upper bounds exist so that an absurd
+value (``--requests 100000000``, ``--sizes 1TiB``) is refused up front
+instead of exhausting memory later.
+
+This module imports nothing heavy: ``--help`` must stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+# Generous caps for counts that size a Python-side structure (requests, ops):
+# beyond them a run would take hours or exhaust memory, not measure anything.
+MAX_COUNT = 10_000_000
+# Human byte sizes: nothing this project allocates in one piece is larger.
+MAX_BYTES = 1 << 40
+
+
+def _fail(message: str) -> argparse.ArgumentTypeError:
+    return argparse.ArgumentTypeError(message)
+
+
+def positive_int(maximum: int = MAX_COUNT, minimum: int = 1) -> Callable[[str], int]:
+    """An integer in ``[minimum, maximum]`` (decimal; ``1_000`` allowed, ``1e3`` not)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise _fail(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            what = "a positive integer" if minimum == 1 else f"an integer >= {minimum:,}"
+            raise _fail(f"expected {what}, got {value}")
+        if value > maximum:
+            raise _fail(f"{value:,} is too large (at most {maximum:,})")
+        return value
+
+    parse.__name__ = "integer"  # argparse names the type in some messages
+    return parse
+
+
+def any_int(maximum: int = 2**63 - 1, minimum: int = -(2**63)) -> Callable[[str], int]:
+    """An integer in ``[minimum, maximum]`` (seeds, sequence numbers)."""
+    return positive_int(maximum=maximum, minimum=minimum)
+
+
+def finite_float(
+    minimum: float = 0.0, maximum: float = 1e9, allow_min: bool = False
+) -> Callable[[str], float]:
+    """A finite float above ``minimum`` (or equal when ``allow_min``), at most ``maximum``.
+
+    NaN and infinities are refused: every comparison with NaN is false, so a
+    NaN slips through range checks and turns results into nonsense.
+    """
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise _fail(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise _fail(f"expected a finite number, got {text!r}")
+        low_ok = value >= minimum if allow_min else value > minimum
+        if not low_ok:
+            sign = ">=" if allow_min else ">"
+            raise _fail(f"expected a number {sign} {minimum:g}, got {value:g}")
+        if value > maximum:
+            raise _fail(f"{value:g} is too large (at most {maximum:g})")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def non_empty_path(text: str) -> str:
+    """A path that is not empty or blank (``--disk-dir ''`` must not mean 'no tier')."""
+    if not text or not text.strip():
+        raise _fail("expected a path, got an empty string")
+    if "\0" in text:
+        raise _fail(f"not a path: {text!r}")
+    return text
+
+
+def existing_file(text: str) -> str:
+    """A path to an existing regular file."""
+    text = non_empty_path(text)
+    if not os.path.exists(text):
+        raise _fail(f"{text!r} does not exist")
+    if not os.path.isfile(text):
+        raise _fail(f"{text!r} is not a file")
+    return text
+
+
+def existing_dir(text: str) -> str:
+    """A path to an existing directory."""
+    text = non_empty_path(text)
+    if not os.path.exists(text):
+        raise _fail(f"{text!r} does not exist")
+    if not os.path.isdir(text):
+        raise _fail(f"{text!r} is not a directory")
+    return text
+
+
+def redis_url(text: str) -> str:
+    """A ``redis://``, ``rediss://``, ``unix://`` or ``redis+cluster://`` URL with a host.
+
+    The database number, when given, must be a non-negative integer (the
+    server decides how many it has; that is checked on connect).
+    """
+    if not text or not text.strip():
+        raise _fail("expected a Redis URL such as redis://127.0.0.1:6379/0, got an empty string")
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError as exc:
+        raise _fail(f"not a Redis URL: {text!r} ({exc})") from None
+    scheme = parts.scheme.lower()
+    if scheme not in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
+        raise _fail(
+            f"not a Redis URL: {text!r} (expected redis://host:port/db, rediss://, "
+            "unix:// or redis+cluster://)"
+        )
+    if scheme == "unix":
+        if not parts.path:
+            raise _fail(f"not a Redis URL: {text!r} (unix:// needs a socket path)")
+        return text
+    if not parts.hostname:
+        raise _fail(f"not a Redis URL: {text!r} (no host)")
+    if port == 0:
+        raise _fail(f"not a Redis URL: {text!r} (port 0)")
+    db = parts.path.strip("/")
+    if db and (not db.isdigit() or int(db) > 1_000_000):
+        raise _fail(f"not a Redis URL: {text!r} (database must be a small integer, got {db!r})")
+    return text
+
+
+def zmq_endpoint(text: str) -> str:
+    """A ZMQ endpoint ``transport://address`` (tcp, ipc, inproc)."""
+    if not text or "://" not in text:
+        raise _fail(f"not a ZMQ endpoint: {text!r} (expected e.g. tcp://127.0.0.1:5557)")
+    transport, _, address = text.partition("://")
+    if transport not in ("tcp", "ipc", "inproc") or not address:
+        raise _fail(f"not a ZMQ endpoint: {text!r} (expected tcp://, ipc:// or inproc://)")
+    return text
+
+
+def byte_size(maximum: int = MAX_BYTES) -> Callable[[str], int]:
+    """A human byte size (``256MiB``, ``1.5GB``, ``4096``), positive and at most ``maximum``."""
+
+    def parse(text: str) -> int:
+        from kvoffload.transfer.sizing import parse_bytes
+
+        try:
+            value = parse_bytes(text)
+        except ValueError as exc:
+            raise _fail(str(exc)) from None
+        if value > maximum:
+            raise _fail(f"{text!r} is too large (at most {_human(maximum)})")
+        return value
+
+    parse.__name__ = "byte size"
+    return parse
+
+
+def byte_size_list(maximum: int = MAX_BYTES) -> Callable[[str], list[int]]:
+    """A comma-separated, non-empty list of byte sizes."""
+    one = byte_size(maximum)
+
+    def parse(text: str) -> list[int]:
+        items = [s.strip() for s in text.split(",")]
+        if not text.strip() or any(not s for s in items):
+            raise _fail(f"expected comma-separated byte sizes, got {text!r}")
+        return [one(s) for s in items]
+
+    parse.__name__ = "byte sizes"
+    return parse
+
+
+def int_list(maximum: int = MAX_COUNT) -> Callable[[str], list[int]]:
+    """A comma-separated, non-empty list of positive integers."""
+    one = positive_int(maximum)
+
+    def parse(text: str) -> list[int]:
+        items = [s.strip() for s in text.split(",")]
+        if not text.strip() or any(not s for s in items):
+            raise _fail(f"expected comma-separated integers, got {text!r}")
+        return [one(s) for s in items]
+
+    parse.__name__ = "integers"
+    return parse
+
+
+def name_list(text: str) -> list[str]:
+    """A comma-separated, non-empty list of names (no empty items)."""
+    items = [s.strip() for s in text.split(",")]
+    if not text.strip() or any(not s for s in items):
+        raise _fail(f"expected comma-separated names, got {text!r}")
+    return items
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return f"{n:,} bytes"
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the OS says are available now (None when it cannot tell)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits_in_memory(what: str, nbytes: int, fraction: float = 0.9) -> None:
+    """``ValueError`` when ``nbytes`` exceeds ``fraction`` of the available memory.
+
+    Called before allocating, so a too-large tier is a clear refusal rather than
+    an allocator error (or the OOM killer) halfway through start-up.
+    """
+    avail = available_memory()
+    if avail is None:
+        return
+    if nbytes > fraction * avail:
+        raise ValueError(
+            f"{what} needs {_approx(nbytes)} but only {_approx(avail)} of memory is "
+            "available; use smaller sizes"
+        )
+
+
+def _approx(n: int) -> str:
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
