@@ -182,11 +182,12 @@ def test_load_of_unknown_or_storing_key_is_an_error(policy: str) -> None:
         m.prepare_load(keys(1))
     with pytest.raises(ValueError):
         m.complete_load(keys(1))
-    with pytest.raises(ValueError):
-        m.complete_store(keys(2))
+    m.complete_store(keys(2))  # unknown: ignored (vLLM 0.33)
+    assert m.is_storing(key(1))
     m.complete_store(keys(1))
-    with pytest.raises(ValueError):
-        m.complete_store(keys(1))
+    m.complete_store(keys(1))  # already stored: ignored
+    m.complete_store(keys(1), success=False)  # ... on failure too
+    assert m.is_stored(key(1))
     m.prepare_load(keys(1))
     with pytest.raises(ValueError):
         m.complete_load(keys(1, 1))
@@ -277,3 +278,52 @@ def test_chain_lru_keeps_a_prefix_ahead_of_its_continuation() -> None:
         else:
             assert out.evicted_keys == keys(3, 2)
             assert m.lookup(prompt) == 1
+
+
+@pytest.mark.parametrize("policy", ALL)
+def test_complete_store_accepts_the_keys_given_to_prepare_store(policy: str) -> None:
+    """vLLM 0.33: keys already stored among them are ignored, on success and failure."""
+    m = CPUOffloadingManager(4, policy, enable_events=True)
+    stored(m, keys(1))
+    m.take_events()
+    out = m.prepare_store(keys(1, 2))
+    assert out is not None and out.keys_to_store == keys(2)
+    m.complete_store(keys(1, 2))
+    assert m.is_stored(key(1)) and m.is_stored(key(2))
+    assert m.take_events() == [OffloadingEvent(keys(2), "CPU", removed=False)]
+    out = m.prepare_store(keys(1, 2, 3))
+    assert out is not None and out.keys_to_store == keys(3)
+    m.complete_store(keys(1, 2, 3), success=False)
+    assert m.is_stored(key(1)) and m.is_stored(key(2)) and m.slot_of(key(3)) is None
+    assert m.num_free_blocks() == 2 and m.take_events() == []
+
+
+@pytest.mark.parametrize("policy", ALL)
+def test_reset_cache_forgets_everything_and_announces_it(policy: str) -> None:
+    m = CPUOffloadingManager(3, policy, enable_events=True)
+    stored(m, keys(1, 2))
+    m.take_events()
+    assert m.reset_cache() is True
+    assert m.take_events() == [OffloadingEvent(keys(1, 2), "CPU", removed=True)]
+    assert m.lookup(keys(1)) == 0 and m.num_free_blocks() == 3 and m.num_stored_blocks() == 0
+    assert m.reset_cache() is True and m.take_events() == []  # empty: no event
+    stored(m, keys(4, 5, 6))  # the whole capacity is usable again
+    assert m.lookup(keys(4, 5, 6)) == 3
+
+
+@pytest.mark.parametrize("policy", ALL)
+def test_reset_cache_refuses_while_pinned_or_storing_unless_forced(policy: str) -> None:
+    m = CPUOffloadingManager(3, policy, enable_events=True)
+    stored(m, keys(1))
+    m.prepare_load(keys(1))
+    assert not m.can_reset_cache() and m.reset_cache() is False
+    assert m.is_stored(key(1)) and m.ref_count(key(1)) == 1  # nothing changed
+    m.complete_load(keys(1))
+    m.prepare_store(keys(2))
+    assert m.reset_cache() is False and m.is_storing(key(2))
+    m.take_events()
+    assert m.reset_cache(force=True) is True  # vLLM's reset: busy keys go too
+    assert m.take_events() == [OffloadingEvent(keys(1), "CPU", removed=True)]
+    assert not m.is_storing(key(2)) and m.num_free_blocks() == 3
+    m.complete_store(keys(2))  # a stale completion is ignored
+    assert m.lookup(keys(2)) == 0

@@ -36,7 +36,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.storing: dict[OffloadKey, int] = {}
         self.pins: Counter[OffloadKey] = Counter()
         self.loads: list[list[OffloadKey]] = []
-        self.stores: list[list[OffloadKey]] = []
+        self.stores: list[tuple[list[OffloadKey], list[OffloadKey]]] = []  # (new, given)
         self.events: list[OffloadingEvent] = []
         self.last_used: dict[OffloadKey, int] = {}
         self.tick = 0
@@ -136,20 +136,48 @@ class ManagerMachine(RuleBasedStateMachine):
         for k, s in zip(new, slots):
             self.storing[k] = s
         if new:
-            self.stores.append(new)
+            self.stores.append((new, ks))
 
     @precondition(lambda self: self.stores)
-    @rule(data=st.data(), success=st.booleans())
-    def complete_store(self, data: st.DataObject, success: bool) -> None:
-        ks = self.stores.pop(data.draw(st.integers(0, len(self.stores) - 1)))
+    @rule(data=st.data(), success=st.booleans(), as_given=st.booleans())
+    def complete_store(self, data: st.DataObject, success: bool, as_given: bool) -> None:
+        """Complete with ``keys_to_store`` or with the very keys given to ``prepare_store``.
+
+        Either way only the keys being stored change (vLLM 0.33's contract);
+        with the given keys, that includes keys another store had in flight.
+        """
+        new, given = self.stores.pop(data.draw(st.integers(0, len(self.stores) - 1)))
+        ks = given if as_given else new
         self.m.complete_store(ks, success=success)
-        for k in ks:
+        done = [k for k in dict.fromkeys(ks) if k in self.storing]
+        for k in done:
             slot = self.storing.pop(k)
             if success:
                 self.stored[k] = slot
-        if success:
-            self.use(ks)
-            self.events.append(OffloadingEvent(ks, "CPU", removed=False))
+        if success and done:
+            self.use(done)
+            self.events.append(OffloadingEvent(done, "CPU", removed=False))
+
+    @rule(force=st.booleans())
+    def reset_cache(self, force: bool) -> None:
+        busy = bool(self.storing or self.pins)
+        ok = self.m.reset_cache(force=force)
+        assert ok == (force or not busy)
+        if not ok:
+            return  # the invariants check that nothing changed
+        events = self.m.take_events()
+        if self.stored:
+            assert len(events) == 1 and events[0].removed and events[0].medium == "CPU"
+            assert sorted(events[0].keys) == sorted(self.stored)
+        else:
+            assert events == []
+        # A forced reset: the caller never completes jobs prepared before it.
+        self.stored.clear()
+        self.storing.clear()
+        self.pins.clear()
+        self.loads.clear()
+        self.stores.clear()
+        self.last_used.clear()
 
     @rule(i=st.integers(0, UNIVERSE - 1))
     def bad_calls_raise_and_change_nothing(self, i: int) -> None:
@@ -162,12 +190,8 @@ class ManagerMachine(RuleBasedStateMachine):
             else:
                 raise AssertionError("prepare_load of a key not stored")
         if k not in self.storing:
-            try:
-                self.m.complete_store([k])
-            except ValueError:
-                pass
-            else:
-                raise AssertionError("complete_store of a key not storing")
+            self.m.complete_store([k])  # ignored (vLLM 0.33)
+            self.m.complete_store([k], success=False)
         if self.pins[k] == 0:
             try:
                 self.m.complete_load([k])

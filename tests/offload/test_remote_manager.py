@@ -91,3 +91,35 @@ def test_announcements_are_bounded() -> None:
     assert len(m._announced) == 2
     assert m.answers_locally is False
     assert m.num_evictable_blocks() == 0 and m.num_free_blocks() > 1 << 30
+
+
+def test_complete_store_accepts_the_keys_given_to_prepare_store() -> None:
+    w, m = setup()
+    w.remote[bytes(keys(1)[0])] = b"x"
+    out = m.prepare_store(keys(1, 2))
+    assert out.keys_to_store == keys(2)
+    m.complete_store(keys(1, 2))
+    assert m.take_events() == [OffloadingEvent(keys(2), "REMOTE", removed=False)]
+    m.complete_store(keys(1, 2), success=False)  # nothing in flight: ignored
+    assert m.take_events() == []
+
+
+def test_reset_forgets_local_knowledge_only() -> None:
+    """The namespace is shared: a reset deletes nothing on the server."""
+    w, m = setup()
+    out = m.prepare_store(keys(1, 2))
+    for k in out.keys_to_store:
+        w.remote[bytes(k)] = bytes(k)
+    m.complete_store(out.keys_to_store)
+    m.take_events()
+    m.prepare_load(keys(1))
+    assert m.reset_cache() is False  # pinned
+    m.complete_load(keys(1))
+    m.prepare_store(keys(3))
+    assert m.reset_cache() is False  # storing
+    m.complete_store(keys(3), success=False)
+    assert m.reset_cache() is True
+    assert m.take_events() == [OffloadingEvent(keys(1, 2), "REMOTE", removed=True)]
+    assert set(w.remote) == {bytes(k) for k in keys(1, 2)}  # the server keeps them
+    assert m.lookup(keys(1, 2)) == 2
+    assert m.reset_cache(force=True) is True and m.take_events() == []

@@ -345,3 +345,62 @@ def test_hit_counts_per_tier_exclude_failed_loads() -> None:
     assert load(w, m, [1]) == (1, False)
     assert m.hit_blocks_by_medium() == {"CPU": 1, "DISK": 1}
     assert m.stats.load_blocks["CPU"] == 2
+
+
+# -- vLLM 0.33 contract points -------------------------------------------------------
+
+
+def test_complete_store_with_the_given_keys_settles_the_write_back() -> None:
+    w, m = make(cpu_blocks=2)
+    store(w, m, [1, 2])
+    out = m.prepare_store(keys(1, 3))  # 1 is stored: kept; 2 is written back to disk
+    assert out is not None and out.keys_to_store == keys(3) and out.evicted_keys == keys(2)
+    w.gpu[7] = bytes(key(3))
+    assert w.run(GPULoadStoreSpec([7]), out.store_spec)
+    m.complete_store(keys(1, 3))  # the very keys given to prepare_store
+    assert m.num_in_flight() == 0
+    assert m.tier_of(keys(1, 2, 3)) == ["CPU", "DISK", "CPU"]
+
+
+def test_complete_store_leaves_a_promotion_to_its_load() -> None:
+    w, m = make(cpu_blocks=2)
+    store(w, m, [1, 2])
+    store(w, m, [3])  # 2 goes down to disk
+    spec = m.prepare_load(keys(2))  # promotes 2 into a CPU slot
+    assert m.cpu.is_storing(key(2))
+    m.prepare_store(keys(2))  # a store of 2 gets nothing to do ...
+    m.complete_store(keys(2))  # ... and its completion must not settle the promotion
+    assert m.cpu.is_storing(key(2))
+    w.run(spec, GPULoadStoreSpec([0]))
+    m.complete_load(keys(2), success=False)
+    assert not m.cpu.is_stored(key(2))  # the failed promotion is dropped, not served
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_reset_cache_is_all_or_nothing(remote: bool) -> None:
+    w, m = make(cpu_blocks=2, remote=remote)
+    store(w, m, [1, 2])
+    store(w, m, [3])  # 2 goes down
+    media(m)
+    spec = m.prepare_load(keys(2))  # in flight: a promotion
+    assert not m.can_reset_cache() and m.reset_cache() is False
+    assert m.cpu.num_stored_blocks() == 1 and m.cpu.is_storing(key(2))  # nothing changed
+    w.run(spec, GPULoadStoreSpec([0]))
+    m.complete_load(keys(2), success=True)
+    media(m)
+    assert m.reset_cache() is True
+    events = media(m)
+    assert all(removed for _, removed, _ in events)
+    assert any(med == "CPU" for med, _, _ in events) and any(med == "DISK" for med, _, _ in events)
+    assert m.lookup(keys(1)) == (1 if remote and bytes(key(1)) in w.remote else 0)
+    assert m.cpu.num_stored_blocks() == 0 and m.lower[0].num_stored_blocks() == 0  # type: ignore[attr-defined]
+
+
+def test_forced_reset_drops_jobs_in_flight() -> None:
+    w, m = make(cpu_blocks=2)
+    store(w, m, [1, 2])
+    m.prepare_store(keys(3))  # a write-back in flight
+    m.prepare_load(keys(1))
+    assert m.reset_cache(force=True) is True
+    assert m.num_in_flight() == 0 and m.cpu.num_free_blocks() == 2
+    assert m.lookup(keys(1, 2, 3)) == 0

@@ -47,6 +47,7 @@ class Job:
     src: LoadStoreSpec
     dst: LoadStoreSpec
     is_store: bool
+    given: list[OffloadKey] | None = None  # a store's keys as given to prepare_store
 
 
 class TieredMachine(RuleBasedStateMachine):
@@ -92,7 +93,7 @@ class TieredMachine(RuleBasedStateMachine):
         src = self.gpu_spec(len(out.keys_to_store))
         for b, k in zip(src.block_ids.tolist(), out.keys_to_store):
             self.world.gpu[b] = bytes(k)  # the KV the GPU computed for k
-        self.jobs.append(Job(list(out.keys_to_store), src, out.store_spec, True))
+        self.jobs.append(Job(list(out.keys_to_store), src, out.store_spec, True, keys))
         self.in_flight_store_keys.update(out.keys_to_store)
 
     @rule(c=st.integers(0, CHAINS - 1), n=st.integers(1, CHAIN_LEN))
@@ -113,14 +114,19 @@ class TieredMachine(RuleBasedStateMachine):
         i=st.integers(0, 1000),
         fail=st.one_of(st.none(), st.sampled_from(PAIRS)),
         report=st.sampled_from([True, True, True, None]),
+        as_given=st.booleans(),
     )
-    def finish(self, i: int, fail: tuple[str, str] | None, report: bool | None) -> None:
+    def finish(
+        self, i: int, fail: tuple[str, str] | None, report: bool | None, as_given: bool = False
+    ) -> None:
         job = self.jobs.pop(i % len(self.jobs))
         self.world.fail_next = [fail] if fail else []
         ok = self.world.run(job.src, job.dst)
         self.world.fail_next = []
         if job.is_store:
-            self.m.complete_store(job.keys, success=ok)
+            # The very keys given to prepare_store are accepted too (vLLM 0.33).
+            assert job.given is not None
+            self.m.complete_store(job.given if as_given else job.keys, success=ok)
             self.in_flight_store_keys.difference_update(job.keys)
             return
         if ok:
@@ -129,6 +135,26 @@ class TieredMachine(RuleBasedStateMachine):
             self.loads_ok += 1
         # ``report=None``: an engine that does not pass the outcome.
         self.m.complete_load(job.keys, success=ok if report else None)
+
+    @rule(force=st.booleans())
+    def reset_cache(self, force: bool) -> None:
+        """Refused while anything is in flight; forced, it also drops every job."""
+        idle = not self.jobs
+        ok = self.m.reset_cache(force=force)
+        assert ok == (force or idle)
+        if not ok:
+            return
+        all_keys = [k for c in range(CHAINS) for k in chain(c, CHAIN_LEN)]
+        for k in all_keys:
+            assert not self.m.cpu.is_stored(k) and not self.m.cpu.is_storing(k)
+            for t in self.m.lower:
+                if t.answers_locally:
+                    assert not t.is_stored(k)
+        assert self.m.num_in_flight() == 0
+        # A forced reset: the caller never completes jobs prepared before it,
+        # and their bytes never land (vLLM's scheduler fences them).
+        self.jobs.clear()
+        self.in_flight_store_keys.clear()
 
     # -- faults -----------------------------------------------------------------
 

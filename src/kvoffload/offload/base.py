@@ -13,7 +13,8 @@ Life of a key in a manager::
        +---------------- evicted (only when stored and ref == 0) --+
 
 Only *stored* keys count in ``lookup`` and can be loaded; a key being stored
-or pinned by a load is never evicted.
+or pinned by a load is never evicted. ``reset_cache`` takes every key back
+to unknown at once.
 """
 
 from __future__ import annotations
@@ -198,11 +199,38 @@ class OffloadingManager(ABC):
 
     @abstractmethod
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
-        """The store of ``keys`` finished: they become loadable, or are dropped on failure."""
+        """The store of ``keys`` finished: they become loadable, or are dropped on failure.
+
+        ``keys`` may be the very keys given to ``prepare_store``: those that
+        are not being stored (already stored before, or unknown) are ignored,
+        on success and on failure alike, as in vLLM 0.33. A key of ``keys``
+        that another store job is writing completes too (vLLM's managers do
+        the same): where stores of the same keys can overlap, pass the
+        job's ``keys_to_store``, as the connectors do.
+        """
 
     @abstractmethod
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Events since the last call (none when events are disabled)."""
+
+    def can_reset_cache(self) -> bool:
+        """Whether ``reset_cache()`` would succeed now: no key pinned or being stored."""
+        return False
+
+    def reset_cache(self, force: bool = False) -> bool:
+        """Forget every block of the tier; False (nothing changed) while any is busy.
+
+        Busy: pinned by a load or being stored. The forgotten stored keys are
+        announced in one ``removed`` event of the tier's medium (none when it
+        held nothing). Events queued before the reset stay queued, ahead of it.
+
+        ``force=True`` is vLLM 0.33's reset: it clears busy keys too and
+        always succeeds. The caller then guarantees what vLLM's scheduler
+        does: no ``complete_load``/``complete_store`` for a job prepared
+        before the reset, and no transfer of such a job still running once a
+        new job reuses the tier's slots.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no reset_cache")
 
 
 def release_pins(refs: dict[OffloadKey, int], keys: Sequence[OffloadKey]) -> list[OffloadKey]:
@@ -228,16 +256,14 @@ def release_pins(refs: dict[OffloadKey, int], keys: Sequence[OffloadKey]) -> lis
 
 
 def finish_stores(storing: set[OffloadKey], keys: Sequence[OffloadKey]) -> list[OffloadKey]:
-    """End the in-flight stores of ``keys``; the keys, deduplicated in order.
+    """End the in-flight stores among ``keys``; those keys, deduplicated, in order.
 
-    Checks first, so a bad call changes nothing: every key must be in ``storing``.
+    Keys that are not in ``storing`` (already stored, or unknown) are ignored:
+    ``complete_store`` accepts the very keys given to ``prepare_store``.
     """
-    unique = list(dict.fromkeys(keys))
-    for key in unique:
-        if key not in storing:
-            raise ValueError(f"complete_store of key {key.hex()} that is not being stored")
-    storing.difference_update(unique)
-    return unique
+    done = [k for k in dict.fromkeys(keys) if k in storing]
+    storing.difference_update(done)
+    return done
 
 
 def reassign_slots(

@@ -40,8 +40,9 @@ class CPUOffloadingManager(OffloadingManager):
     Events (only with ``enable_events``), in the order things happened: one
     ``removed=True`` event per ``prepare_store`` that evicted (victims in
     eviction order), one ``removed=False`` event per successful
-    ``complete_store`` (its keys). A failed store leaves no event: its keys
-    were never announced.
+    ``complete_store`` (its keys), one ``removed=True`` event per
+    ``reset_cache`` (every key it forgot). A failed store leaves no event: its
+    keys were never announced.
 
     ``prepare_store`` returns, besides the contract's fields, ``evicted_spec``:
     the slots the evicted keys occupied, so a tiered manager above can copy
@@ -190,6 +191,8 @@ class CPUOffloadingManager(OffloadingManager):
 
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
         keys = finish_stores(self._storing, keys)
+        if not keys:
+            return
         if success:
             self.policy.insert(keys)
             if self.enable_events:
@@ -197,6 +200,24 @@ class CPUOffloadingManager(OffloadingManager):
         else:
             slot_of = self._slot_of
             self._free.extend(slot_of.pop(k) for k in keys)
+
+    # -- reset --------------------------------------------------------------
+
+    def can_reset_cache(self) -> bool:
+        return not self._storing and not self._refs
+
+    def reset_cache(self, force: bool = False) -> bool:
+        if not force and not self.can_reset_cache():
+            return False
+        stored = [k for k in self._slot_of if k not in self._storing]
+        self.policy = make_policy(self.cache_policy, self._num_blocks)
+        self._free = list(range(self._num_blocks - 1, -1, -1))
+        self._slot_of.clear()
+        self._storing.clear()
+        self._refs.clear()
+        if stored and self.enable_events:
+            self._events.append(OffloadingEvent(stored, self.medium, removed=True))
+        return True
 
     # -- events -------------------------------------------------------------
 

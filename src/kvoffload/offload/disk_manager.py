@@ -21,7 +21,7 @@ choice of slots and victims is made here, never by the store.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvoffload.offload.base import (
     OffloadingEvent,
@@ -41,6 +41,10 @@ class DiskOffloadingManager(LowerTierManager):
     ``(key, slot)`` oldest write first (``DiskBlockStore.entries()``); they
     start stored, least recently used first, and are announced as one
     stored event.
+
+    ``clear_store``: called by ``reset_cache`` so that the disk store forgets
+    its blocks too (``DiskBlockStore.clear``); without it a restart would
+    restore, and serve, blocks from before the reset.
     """
 
     def __init__(
@@ -48,11 +52,13 @@ class DiskOffloadingManager(LowerTierManager):
         num_blocks: int,
         enable_events: bool = False,
         restored: Iterable[tuple[OffloadKey, int]] = (),
+        clear_store: Callable[[], object] | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self._num_blocks = num_blocks
         self.enable_events = enable_events
+        self.clear_store = clear_store
         self._slot_of: dict[OffloadKey, int] = {}
         self._storing: set[OffloadKey] = set()
         self._refs: dict[OffloadKey, int] = {}
@@ -178,6 +184,8 @@ class DiskOffloadingManager(LowerTierManager):
 
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
         keys = finish_stores(self._storing, keys)
+        if not keys:
+            return
         if success:
             for key in reversed(keys):
                 self._lru[key] = None
@@ -206,6 +214,29 @@ class DiskOffloadingManager(LowerTierManager):
         self._free.extend(self._slot_of.pop(k) for k in keys)
         if self.enable_events:
             self._events.append(OffloadingEvent(keys, DISK_MEDIUM, removed=True))
+
+    # -- reset --------------------------------------------------------------
+
+    def can_reset_cache(self) -> bool:
+        return not self._storing and not self._refs
+
+    def reset_cache(self, force: bool = False) -> bool:
+        """See ``OffloadingManager.reset_cache``; the disk store is cleared first."""
+        if not force and not self.can_reset_cache():
+            return False
+        if self.clear_store is not None:
+            # Before forgetting: if clearing fails, the index still matches the store.
+            self.clear_store()
+        stored = [k for k in self._slot_of if k not in self._storing]
+        self._slot_of.clear()
+        self._storing.clear()
+        self._refs.clear()
+        self._lru.clear()
+        self._doomed.clear()
+        self._free = list(range(self._num_blocks - 1, -1, -1))
+        if stored and self.enable_events:
+            self._events.append(OffloadingEvent(stored, DISK_MEDIUM, removed=True))
+        return True
 
     # -- events -------------------------------------------------------------
 

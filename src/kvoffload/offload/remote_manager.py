@@ -11,6 +11,16 @@ in which case the load fails and the engine recomputes).
 Events: a successful store is announced (``REMOTE``); a key this manager
 announced and later finds missing is announced as removed. Announced keys are
 remembered up to ``max_announced`` (least recently seen forgotten first).
+
+Reset: the namespace is shared by every engine with the same tier
+fingerprint (model, KV geometry, hash function and seed, ...), so
+``reset_cache`` deletes nothing on the server: other instances may be
+reading those blocks, and they are still right for this fingerprint. It
+forgets what this instance knows (its announcements, announced as removed,
+so routers stop sending prefixes here for them). A change that makes the
+stored KV wrong (new weights) must change the fingerprint, which moves the
+engine to a fresh namespace; deleting a whole namespace on purpose is
+``RedisBlockStore.clear()``, an operator's decision.
 """
 
 from __future__ import annotations
@@ -137,6 +147,8 @@ class RemoteOffloadingManager(LowerTierManager):
 
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
         keys = finish_stores(self._storing, keys)
+        if not keys:
+            return
         if not success:
             return
         if self.max_announced:
@@ -157,6 +169,21 @@ class RemoteOffloadingManager(LowerTierManager):
             del self._announced[k]
         if gone and self.enable_events:
             self._events.append(OffloadingEvent(gone, REMOTE_MEDIUM, removed=True))
+
+    def can_reset_cache(self) -> bool:
+        return not self._storing and not self._refs
+
+    def reset_cache(self, force: bool = False) -> bool:
+        """Forget local knowledge only; the shared server keeps its blocks (module docstring)."""
+        if not force and not self.can_reset_cache():
+            return False
+        announced = list(self._announced)
+        self._announced.clear()
+        self._storing.clear()
+        self._refs.clear()
+        if announced and self.enable_events:
+            self._events.append(OffloadingEvent(announced, REMOTE_MEDIUM, removed=True))
+        return True
 
     def take_events(self) -> list[OffloadingEvent]:
         events, self._events = self._events, []

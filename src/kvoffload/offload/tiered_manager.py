@@ -98,6 +98,9 @@ class _PendingLoad:
 class _PendingStore:
     before: list[tuple[LowerTierManager, list[OffloadKey]]]
     after: list[tuple[LowerTierManager, list[OffloadKey]]]
+    # The CPU keys of the store still to complete, and whether all so far succeeded.
+    waiting: set[OffloadKey] = field(default_factory=set)
+    ok: bool = True
 
 
 def subset_spec(
@@ -141,7 +144,11 @@ class TieredOffloadingManager(OffloadingManager):
         self.stats = TieredStats()
         self._local = [t for t in self.lower if t.answers_locally]
         self._loads: dict[tuple[OffloadKey, ...], deque[_PendingLoad]] = {}
-        self._stores: dict[tuple[OffloadKey, ...], _PendingStore] = {}
+        # A key is in at most one CPU store at a time, so key -> its store's record.
+        self._store_of: dict[OffloadKey, _PendingStore] = {}
+        self._num_stores = 0
+        # CPU keys being written by a promotion: only their load settles them.
+        self._promoting: set[OffloadKey] = set()
 
     # -- introspection ------------------------------------------------------
 
@@ -261,6 +268,7 @@ class TieredOffloadingManager(OffloadingManager):
             record.lower_pins = []
             return self._no_room(keys, record)
         record.promoted = promo
+        self._promoting.update(promo)
         slot_of.update(zip(promo, out.store_spec.block_ids.tolist()))  # type: ignore[attr-defined]
         before: list[TierCopy] = []
         if out.evicted_keys and self.write_mode == "write_back":
@@ -312,6 +320,7 @@ class TieredOffloadingManager(OffloadingManager):
             for tier, tkeys in record.lower_pins:
                 self.stats.loaded_blocks[tier.medium] += len(tkeys)
         if record.promoted:
+            self._promoting.difference_update(record.promoted)
             keep = success is True
             self.cpu.complete_store(record.promoted, success=keep)
             if success is None:
@@ -394,7 +403,10 @@ class TieredOffloadingManager(OffloadingManager):
                 self.stats.write_throughs += len(o.keys_to_store)
         if not before and not after:
             return out
-        self._stores[tuple(out.keys_to_store)] = record
+        record.waiting = set(out.keys_to_store)
+        for key in record.waiting:
+            self._store_of[key] = record
+        self._num_stores += 1
         assert isinstance(out.store_spec, CPULoadStoreSpec)
         return PrepareStoreOutput(
             out.keys_to_store,
@@ -404,15 +416,58 @@ class TieredOffloadingManager(OffloadingManager):
         )
 
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
-        self.cpu.complete_store(keys, success)
-        record = self._stores.pop(tuple(dict.fromkeys(keys)), None)
-        if record is None:
-            return
+        """Complete the CPU store of ``keys`` (any superset, e.g. ``prepare_store``'s keys).
+
+        A store's lower-tier copies settle once all its CPU keys completed.
+        Keys a promotion is writing are left to that load's ``complete_load``.
+        Any other key of ``keys`` being stored completes, even when another
+        store job is writing it: pass ``keys_to_store`` when that can happen.
+        """
+        promoting = self._promoting
+        storing = [k for k in dict.fromkeys(keys) if self.cpu.is_storing(k) and k not in promoting]
+        self.cpu.complete_store(storing, success)
+        for key in storing:
+            record = self._store_of.pop(key, None)
+            if record is None:
+                continue
+            record.waiting.discard(key)
+            record.ok = record.ok and success
+            if not record.waiting:
+                self._settle_store(record)
+
+    def _settle_store(self, record: _PendingStore) -> None:
+        self._num_stores -= 1
         for tier, k in record.before:
             tier.complete_store(k, success=True)
         for tier, k in record.after:
             # Write-throughs run only after a successful GPU -> CPU copy.
-            tier.complete_store(k, success=success)
+            tier.complete_store(k, success=record.ok)
+
+    # -- reset --------------------------------------------------------------
+
+    def can_reset_cache(self) -> bool:
+        return (
+            self.num_in_flight() == 0
+            and self.cpu.can_reset_cache()
+            and all(t.can_reset_cache() for t in self.lower)
+        )
+
+    def reset_cache(self, force: bool = False) -> bool:
+        """Reset every tier, or none: False while any of them has a load or store in flight.
+
+        Each tier announces its own removals (the remote tier forgets only
+        what this instance knows; see ``RemoteOffloadingManager``).
+        """
+        if not force and not self.can_reset_cache():
+            return False
+        self._loads.clear()
+        self._promoting.clear()
+        self._store_of.clear()
+        self._num_stores = 0
+        self.cpu.reset_cache(force=True)
+        for tier in self.lower:
+            tier.reset_cache(force=True)
+        return True
 
     # -- events -------------------------------------------------------------
 
@@ -424,4 +479,4 @@ class TieredOffloadingManager(OffloadingManager):
 
     def num_in_flight(self) -> int:
         """Tiered loads and stores waiting for their ``complete_*`` call."""
-        return sum(len(q) for q in self._loads.values()) + len(self._stores)
+        return sum(len(q) for q in self._loads.values()) + self._num_stores
