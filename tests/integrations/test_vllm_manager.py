@@ -1,0 +1,175 @@
+"""``KVOffloadManager``: vLLM 0.33's manager contract over kvoffload's CPU and tiered managers."""
+
+from tests.vllm_required import need_vllm
+
+need_vllm()
+
+import pytest  # noqa: E402
+from vllm.v1.kv_offload.base import (  # noqa: E402
+    Locality,
+    LookupResult,
+    Medium,
+    ReqContext,
+    make_offload_key,
+)
+
+from kvoffload.integrations.vllm import KVOffloadManager, parse_settings  # noqa: E402
+from kvoffload.integrations.vllm.settings import KVOffloadConfigError  # noqa: E402
+from kvoffload.offload import CPUOffloadingManager  # noqa: E402
+from kvoffload.offload.disk_manager import DiskOffloadingManager  # noqa: E402
+from kvoffload.offload.tiered_manager import TieredOffloadingManager  # noqa: E402
+
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
+HIT_PENDING, RETRY = LookupResult.HIT_PENDING, LookupResult.RETRY
+
+
+def key(i: int):
+    return make_offload_key(i.to_bytes(32, "big"), 0)
+
+
+def ctx(name: str = "r") -> ReqContext:
+    return ReqContext(req_id=name)
+
+
+def cpu_only(n: int = 4, **kw) -> KVOffloadManager:
+    return KVOffloadManager(CPUOffloadingManager(n, "lru", enable_events=True), **kw)
+
+
+def tiered(n_cpu: int = 2, n_disk: int = 8) -> KVOffloadManager:
+    cpu = CPUOffloadingManager(n_cpu, "lru", enable_events=True)
+    disk = DiskOffloadingManager(n_disk, enable_events=True)
+    return KVOffloadManager(TieredOffloadingManager(cpu, [disk]))
+
+
+def store(m: KVOffloadManager, keys, ok: bool = True) -> None:
+    out = m.prepare_store(keys, ctx())
+    assert out is not None
+    m.complete_store(set(out.keys_to_store), ctx(), success=ok)
+
+
+def test_a_block_being_stored_is_hit_pending_then_hit() -> None:
+    m = cpu_only()
+    out = m.prepare_store([key(1), key(2)], ctx())
+    assert out is not None and out.keys_to_store == [key(1), key(2)]
+    assert m.lookup(key(1), ctx()) is HIT_PENDING
+    assert m.lookup(key(3), ctx()) is MISS
+    # vLLM completes by key set, in any order.
+    m.complete_store({key(2), key(1)}, ctx())
+    assert m.lookup(key(1), ctx()) is HIT
+    assert m.num_in_flight() == 0
+
+
+def test_a_failed_store_is_forgotten() -> None:
+    m = cpu_only()
+    store(m, [key(1)], ok=False)
+    assert m.lookup(key(1), ctx()) is MISS
+    assert m.failed_stores == 1
+
+
+def test_complete_store_of_keys_already_stored_is_ignored() -> None:
+    m = cpu_only()
+    store(m, [key(1)])
+    out = m.prepare_store([key(1), key(2)], ctx())
+    assert out is not None and out.keys_to_store == [key(2)]
+    m.complete_store({key(2)}, ctx())
+    m.complete_store({key(1)}, ctx())  # nothing in flight for it: a no-op
+    assert m.lookup(key(2), ctx()) is HIT
+
+
+def test_loads_pin_until_complete_load_by_key_set() -> None:
+    m = cpu_only(2)
+    store(m, [key(1), key(2)])
+    m.prepare_load([key(1), key(2)], ctx())
+    assert m.prepare_store([key(3)], ctx()) is None  # everything pinned
+    m.complete_load({key(2), key(1)}, ctx())
+    assert m.prepare_store([key(3)], ctx()) is not None
+
+
+def test_store_threshold_counts_offers() -> None:
+    m = cpu_only(store_threshold=2)
+    first = m.prepare_store([key(1)], ctx())
+    assert first is not None and first.keys_to_store == []
+    second = m.prepare_store([key(1)], ctx())
+    assert second is not None and second.keys_to_store == [key(1)]
+
+
+def test_lower_tier_hit_write_down_retry_and_promotion_pending() -> None:
+    m = tiered(n_cpu=2)
+    store(m, [key(1), key(2)])
+    # A third block evicts one from CPU; its write-down to disk is part of this store.
+    out = m.prepare_store([key(3)], ctx())
+    assert out is not None and len(out.evicted_keys) == 1
+    gone = out.evicted_keys[0]
+    assert m.lookup(gone, ctx()) is RETRY  # no tier can serve it until the write lands
+    m.complete_store(set(out.keys_to_store), ctx())
+    assert m.lookup(gone, ctx("a")) is HIT  # on disk, and CPU has room to promote it
+    m.prepare_load([gone], ctx("a"))
+    # Another request sees the promotion into the CPU tier in flight.
+    assert m.lookup(gone, ctx("b")) is HIT_PENDING
+    m.complete_load({gone}, ctx("a"))
+    assert m.lookup(gone, ctx("b")) is HIT
+    assert m.tiered is not None and m.tiered.hit_blocks_by_medium()["DISK"] == 1
+
+
+def test_no_cpu_room_to_promote_is_a_miss() -> None:
+    m = tiered(n_cpu=2)
+    store(m, [key(1), key(2)])
+    store(m, [key(3), key(4)])  # keys 1 and 2 now only on disk
+    m.prepare_load([key(3), key(4)], ctx("pin"))  # every CPU slot pinned
+    assert m.lookup(key(1), ctx("a")) is MISS
+    m.complete_load({key(3), key(4)}, ctx("pin"))
+    r = ctx("a")
+    assert m.lookup(key(1), r) is HIT and m.lookup(key(2), r) is HIT
+    # A third lower-tier block would need a third CPU slot for the same load.
+    store(m, [key(5), key(6)])
+    store(m, [key(7), key(8)])
+    assert m.lookup(key(5), r) is MISS
+
+
+def test_a_failed_promotion_drops_the_lower_tier_copy() -> None:
+    m = tiered(n_cpu=2)
+    store(m, [key(1), key(2)])
+    store(m, [key(3), key(4)])
+    spec = m.prepare_load([key(1)], ctx())
+    m.note_failed([spec.op_id])
+    m.complete_load({key(1)}, ctx())
+    assert m.failed_loads == 1
+    assert m.lookup(key(1), ctx()) is MISS
+
+
+def test_events_carry_each_tiers_medium() -> None:
+    m = tiered(n_cpu=1)
+    store(m, [key(1)])
+    store(m, [key(2)])  # key 1 written down to disk
+    events = list(m.take_events())
+    seen = {(e.medium, e.locality, e.ownership, e.removed) for e in events}
+    assert (Medium.CPU, None, None, False) in seen
+    assert (Medium.CPU, None, None, True) in seen
+    assert (Medium.STORAGE, Locality.LOCAL, "DISK", False) in seen
+
+
+@pytest.mark.parametrize(
+    ("config", "key_name"),
+    [
+        ({"cpu_bytes": 1, "cpu_bytes_to_use": 1}, "cpu_bytes_to_use"),
+        ({"cpu_bytes": "1GiB", "eviction_policy": "lru", "cache_policy": "arc"}, "eviction_policy"),
+        ({"cpu_bytes": "1GiB", "cache_policy_module_path": "x.y"}, "cache_policy_module_path"),
+        ({"cpu_bytes": "1GiB", "redis_url": "localhost:6379"}, "redis_url"),
+        ({"cpu_bytes": "1GiB", "disk_bytes": "1GiB"}, "disk_bytes"),
+        ({"cpu_bytes": "1GiB", "store_threshold": -1}, "store_threshold"),
+        ({"cpu_bytes": "1GiB", "canonical_layout": True}, "canonical_layout"),
+    ],
+)
+def test_settings_errors_name_the_key(config: dict, key_name: str) -> None:
+    with pytest.raises(KVOffloadConfigError) as info:
+        parse_settings(config)
+    assert repr(key_name) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_settings_take_vllms_names_with_vllms_meaning() -> None:
+    s = parse_settings({"cpu_bytes_to_use": 4 << 30, "eviction_policy": "arc", "block_size": 64})
+    assert s.cpu_bytes == 4 << 30 and s.cache_policy == "arc"
+    s = parse_settings(
+        {"cpu_bytes": "64GiB", "disk_dir": "/d", "disk_bytes": "1TiB", "write_through": "true"}
+    )
+    assert s.cpu_bytes == 64 << 30 and s.disk_bytes == 1 << 40 and s.write_through
