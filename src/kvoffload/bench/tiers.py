@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from kvoffload.cli import argtypes
 from kvoffload.transfer.block_buffers import aligned_empty
 from kvoffload.transfer.sizing import format_bytes, parse_bytes
 
@@ -46,24 +47,37 @@ _CHUNK = 16 << 20
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--block-sizes",
+        type=argtypes.byte_size_list(1 << 30),
         default="64KiB,256KiB,1MiB,4MiB",
         help="comma-separated block sizes (default: %(default)s)",
     )
     parser.add_argument(
-        "--total", default="256MiB", help="bytes moved per measurement (default: %(default)s)"
+        "--total",
+        type=argtypes.byte_size(1 << 40),
+        default="256MiB",
+        help="bytes moved per measurement (default: %(default)s)",
     )
     parser.add_argument(
-        "--batch", type=int, default=32, help="blocks per put/get call (default: %(default)s)"
+        "--batch",
+        type=argtypes.positive_int(1 << 20),
+        default=32,
+        help="blocks per put/get call (default: %(default)s)",
     )
     parser.add_argument(
-        "--disk-dir", default=None, help="directory to benchmark in (default: a temp dir)"
+        "--disk-dir",
+        type=argtypes.non_empty_path,
+        default=None,
+        help="directory to benchmark in (default: a temp dir)",
     )
     parser.add_argument(
         "--buffered", action="store_true", help="buffered disk I/O instead of O_DIRECT"
     )
-    parser.add_argument("--io-threads", type=int, default=4, help="disk store I/O threads")
+    parser.add_argument(
+        "--io-threads", type=argtypes.positive_int(256), default=4, help="disk store I/O threads"
+    )
     parser.add_argument(
         "--redis-url",
+        type=argtypes.redis_url,
         default=None,
         help="Redis/Valkey to benchmark (default: start a temporary redis-server)",
     )
@@ -355,10 +369,23 @@ def bench_redis(args: argparse.Namespace, block_bytes: int, url: str) -> dict[st
 # -- driver ---------------------------------------------------------------------------
 
 
-def bench(args: argparse.Namespace, progress: Callable[[], None] = lambda: None) -> dict[str, Any]:
+def _sizes(args: argparse.Namespace) -> list[int]:
+    if isinstance(args.block_sizes, list):
+        return args.block_sizes
     sizes = [parse_bytes(s) for s in args.block_sizes.split(",") if s.strip()]
-    if not sizes or any(s <= 0 for s in sizes):
+    if not sizes:
         raise ValueError(f"bad --block-sizes {args.block_sizes!r}")
+    return sizes
+
+
+def bench(args: argparse.Namespace, progress: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    sizes = _sizes(args)
+    total = parse_bytes(args.total)
+    # Each measurement holds the data and a read-back copy in memory; refuse before allocating.
+    argtypes.check_fits_in_memory(
+        f"--total {format_bytes(total)} (data + read-back copy)",
+        2 * max(total, max(sizes)),
+    )
     report: dict[str, Any] = {"disk": [], "redis": [], "batch": args.batch}
     if not args.skip_disk:
         root = (
@@ -392,7 +419,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
     from rich.table import Table
 
-    n_sizes = len([s for s in args.block_sizes.split(",") if s.strip()])
+    n_sizes = len(_sizes(args))
     steps = n_sizes * ((not args.skip_disk) + (not args.skip_redis))
     err = Console(stderr=True)
     with Progress(

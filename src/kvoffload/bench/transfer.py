@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from kvoffload.cli import argtypes
 from kvoffload.offload.base import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.transfer import (
     LAYOUT_KINDS,
@@ -68,31 +69,48 @@ class SizeResult:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sizes",
+        type=argtypes.byte_size_list(1 << 40),
         default=None,
         help=f"comma-separated block sizes (all layers, K and V); default {DEFAULT_SIZES}",
     )
-    parser.add_argument("--blocks", type=int, default=1000, help="blocks per job (default 1000)")
+    parser.add_argument(
+        "--blocks",
+        type=argtypes.positive_int(1 << 24),
+        default=1000,
+        help="blocks per job (default 1000)",
+    )
     parser.add_argument(
         "--layout",
         default="layer_first",
         choices=[*LAYOUT_KINDS, "all"],
         help="KV layout of both tiers (default layer_first, the engine's); 'all' runs each",
     )
-    parser.add_argument("--layers", type=int, default=4, help="model layers (default 4)")
-    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
-    parser.add_argument("--head-size", type=int, default=64, help="head size (default 64)")
+    parser.add_argument(
+        "--layers", type=argtypes.positive_int(1024), default=4, help="model layers (default 4)"
+    )
+    parser.add_argument(
+        "--kv-heads", type=argtypes.positive_int(1024), default=8, help="KV heads (default 8)"
+    )
+    parser.add_argument(
+        "--head-size", type=argtypes.positive_int(4096), default=64, help="head size (default 64)"
+    )
     parser.add_argument("--dtype", default="float16", help="KV dtype (default float16)")
     parser.add_argument(
         "--pattern", choices=("random", "sequential"), default="random", help="block id pattern"
     )
     parser.add_argument(
-        "--repeats", type=int, default=5, help="timed rounds, best kept (default 5)"
+        "--repeats",
+        type=argtypes.positive_int(10_000),
+        default=5,
+        help="timed rounds, best kept (default 5)",
     )
-    parser.add_argument("--threads", type=int, default=2, help="worker threads (CPU path)")
+    parser.add_argument(
+        "--threads", type=argtypes.positive_int(1024), default=2, help="worker threads (CPU path)"
+    )
     parser.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="GPU tier device"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=argtypes.any_int(2**63 - 1, 0), default=0)
     parser.add_argument(
         "--quick", action="store_true", help=f"small run for tests: {QUICK_SIZES}, 64 blocks"
     )
@@ -301,7 +319,9 @@ def _resolve(args: argparse.Namespace) -> tuple[list[int], list[str], torch.devi
         if args.blocks == 1000:
             args.blocks = 64
         args.repeats = min(args.repeats, 2)
-    sizes = [parse_bytes(s) for s in (args.sizes or DEFAULT_SIZES).split(",") if s.strip()]
+    sizes = args.sizes if isinstance(args.sizes, list) else None
+    if sizes is None:
+        sizes = [parse_bytes(s) for s in (args.sizes or DEFAULT_SIZES).split(",") if s.strip()]
     if not sizes:
         raise ValueError("--sizes is empty")
     for name in ("blocks", "repeats", "threads", "layers", "kv_heads", "head_size"):
@@ -309,6 +329,10 @@ def _resolve(args: argparse.Namespace) -> tuple[list[int], list[str], torch.devi
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
     for size in sizes:
         _geometry(size, args)
+    # Both tiers hold at least two blocks of the largest size; refuse before allocating.
+    argtypes.check_fits_in_memory(
+        f"--sizes {format_bytes(max(sizes))} (two tiers of two blocks)", 4 * max(sizes)
+    )
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device available")
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())

@@ -16,6 +16,7 @@ import argparse
 import math
 import os
 from collections.abc import Callable
+from pathlib import Path
 from urllib.parse import urlsplit
 
 # Generous caps for counts that size a Python-side structure (requests, ops):
@@ -250,3 +251,11 @@ def _approx(n: int) -> str:
         if n >= scale:
             return f"{n / scale:,.1f} {unit}"
     return f"{n} B"
+
+
+def output_dir(text: str) -> Path:
+    """A directory to write into: non-empty, and not an existing non-directory."""
+    text = non_empty_path(text)
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise _fail(f"{text!r} exists and is not a directory")
+    return Path(text)

@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from kvoffload.cli import argtypes
 from kvoffload.events.subscriber import GapReport, KVEventSubscriber, ReceivedBatch, SubscriberStats
 from kvoffload.events.types import KVCacheEvent
 
@@ -30,11 +31,13 @@ _POLL_S = 0.25
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--endpoint",
+        type=argtypes.zmq_endpoint,
         default="tcp://127.0.0.1:5557",
         help="the publisher's PUB endpoint (default: %(default)s)",
     )
     parser.add_argument(
         "--replay-endpoint",
+        type=argtypes.zmq_endpoint,
         default=None,
         help="the publisher's ROUTER replay endpoint; without it gaps are only reported",
     )
@@ -43,18 +46,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per batch")
     parser.add_argument(
-        "--max-batches", type=int, default=None, metavar="N", help="exit after N batches"
+        "--max-batches",
+        type=argtypes.positive_int(1 << 62),
+        default=None,
+        metavar="N",
+        help="exit after N batches",
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=argtypes.finite_float(0.0, 1e7),
         default=None,
         metavar="S",
         help="exit after S seconds; with --max-batches, exit status 1 if fewer arrived",
     )
     parser.add_argument(
         "--from-seq",
-        type=int,
+        type=argtypes.any_int(2**64 - 1, 0),
         default=None,
         metavar="SEQ",
         help="first replay everything buffered from SEQ on (needs --replay-endpoint)",
