@@ -162,3 +162,125 @@ def redis_server_factory(tmp_path: Path) -> Iterator[RedisServerFactory]:
 def redis_server(redis_server_factory: RedisServerFactory) -> RedisServer:
     """A fresh server for one test."""
     return redis_server_factory()
+
+
+# -- Redis Cluster -------------------------------------------------------------------------
+
+
+def find_cli_binary() -> str | None:
+    return shutil.which("redis-cli") or shutil.which("valkey-cli")
+
+
+def free_cluster_port() -> int:
+    """A port P with P and its cluster bus port P + 10000 both free (P <= 55535)."""
+    import random
+
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 45000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+class RedisClusterNodes:
+    """A Redis Cluster of ``masters`` masters (no replicas) on loopback, built with redis-cli.
+
+    Every node runs with a short ``cluster-node-timeout`` (failures are noticed
+    in about a second) and ``cluster-require-full-coverage no`` (the surviving
+    masters keep serving their slots when one dies, as a cache cluster would).
+    """
+
+    def __init__(self, binary: str, cli: str, workdir: Path, masters: int = 3) -> None:
+        self.cli = cli
+        self.nodes: list[RedisServer] = []
+        for i in range(masters):
+            d = workdir / f"cluster{i}"
+            d.mkdir(parents=True, exist_ok=True)
+            self.nodes.append(_ClusterNode(binary, d, port=free_cluster_port()))
+
+    @property
+    def url(self) -> str:
+        seeds = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        return f"redis+cluster://{seeds}"
+
+    def start(self) -> RedisClusterNodes:
+        for n in self.nodes:
+            n.start()
+        res = subprocess.run(
+            [
+                self.cli,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        if res.returncode != 0:
+            self.kill()
+            raise RuntimeError(f"redis-cli --cluster create failed: {res.stdout}{res.stderr}")
+        self.wait_state("ok")
+        return self
+
+    def cluster_info(self, node: RedisServer) -> dict[str, str]:
+        import redis
+
+        client = redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=2)
+        try:
+            raw = client.execute_command("CLUSTER INFO")
+        finally:
+            client.close()
+        if isinstance(raw, dict):  # redis-py parses CLUSTER INFO itself
+            return {str(k): str(v) for k, v in raw.items()}
+        text = raw.decode() if isinstance(raw, bytes) else str(raw)
+        return dict(line.split(":", 1) for line in text.split() if ":" in line)
+
+    def wait_state(self, state: str, timeout_s: float = 30.0) -> None:
+        """Until every running node reports ``cluster_state:<state>``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = [self.cluster_info(n).get("cluster_state") for n in self.nodes if n.running]
+            if states and all(s == state for s in states):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cluster did not reach state {state!r}: {states}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        for n in self.nodes:
+            n.kill()
+
+
+class _ClusterNode(RedisServer):
+    def _args(self) -> list[str]:
+        return [
+            *super()._args(),
+            "--cluster-enabled", "yes",
+            "--cluster-config-file", str(self.workdir / "nodes.conf"),
+            "--cluster-node-timeout", "1000",
+            "--cluster-require-full-coverage", "no",
+        ]  # fmt: skip
+
+
+@pytest.fixture
+def redis_cluster(tmp_path: Path) -> Iterator[RedisClusterNodes]:
+    """A fresh 3-master cluster for one test (skipped without redis-server and redis-cli)."""
+    binary, cli = find_server_binary(), find_cli_binary()
+    if binary is None or cli is None:
+        pytest.skip("Redis Cluster tests need redis-server and redis-cli (apt-get install redis)")
+    cluster = RedisClusterNodes(binary, cli, tmp_path)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.kill()

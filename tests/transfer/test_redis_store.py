@@ -390,13 +390,13 @@ def test_failed_probes_back_off(redis_server: RedisServer) -> None:
     s = make_store(redis_server.url, retry_interval_s=0.001, max_retry_interval_s=0.004)
     redis_server.kill()
     s.get(keys_of(1))
-    assert s._interval == 0.001
+    assert s._links.breakers()[0]._interval == 0.001
     for _ in range(4):
         s.ping()  # a forced probe that fails
-    assert s._interval == 0.004  # doubled, capped
+    assert s._links.breakers()[0]._interval == 0.004  # doubled, capped
     redis_server.start()
     assert s.ping() and s.available
     redis_server.kill()
     s.get(keys_of(1))
-    assert s._interval == 0.001  # a new outage starts from the short interval
+    assert s._links.breakers()[0]._interval == 0.001  # a new outage starts from the short interval
     s.close()

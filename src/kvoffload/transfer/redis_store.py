@@ -1,26 +1,41 @@
 """The remote tier's bytes: KV blocks as binary values in a shared Redis/Valkey server.
 
-Key: ``kvo:<namespace>:<fingerprint>:`` + the block's key bytes, where the
-fingerprint digests the geometry, the hash function, the block size and this
-format's version: engines whose blocks are not interchangeable never see each
-other's keys, engines that match share them (what one stores, another loads).
+Key: ``kvo:<namespace>:<digest>:{<hex of the block's key>}``, where the
+digest covers the tier fingerprint (``slot_io.tier_fingerprint``: the model,
+KV geometry, dtype, quantisation, layout, hash function and seed, parallel
+rank and size), the block size and this format's version: engines whose
+blocks differ never see each other's keys (another model gets a fresh
+namespace), engines that match share them (what one stores, another loads).
+The braces are a Redis Cluster hash tag: everything stored for one block
+hashes to the block's own slot, so it lives on one node, while blocks spread
+over the whole cluster.
 
 Value: a 16-byte header (magic, format version, payload length, xxh3-64 of
 key + payload) then the payload. A value of the wrong length, magic or
 checksum is a miss (and is deleted): a torn or foreign value never reaches a
 caller's buffer as a hit.
 
+Servers: ``redis://``, ``rediss://``, ``unix://`` (and ``valkey(s)://``)
+name one server; ``redis+cluster://host:port[,host:port...]`` (and
+``rediss+cluster://``) a Redis Cluster, reached per master (see
+``redis_cluster``).
+
 Faults: every socket operation has a bounded timeout and at most one
 immediate retry (a pooled connection gone stale across a server restart). A
-connection failure trips a breaker: for ``retry_interval_s`` every call
-answers at once (misses, failed stores, nothing present) without touching the
-network; then one call probes again, and each probe that fails doubles the
-wait (up to ``max_retry_interval_s``), so a server that swallows packets
-costs the engine at most one timeout per interval. The outage is logged once when it
-starts and once when the server is back. Server-side refusals (out of memory
-under ``noeviction``, and the like) fail only the commands concerned.
-Capacity and expiry are the server's business (``maxmemory``,
-``maxmemory-policy``, ``ttl_s``).
+connection failure trips a breaker (per cluster node): for
+``retry_interval_s`` every call answers at once (misses, failed stores,
+nothing present) without touching the network; then one call probes again,
+and each probe that fails doubles the wait (up to ``max_retry_interval_s``),
+so a server that swallows packets costs the engine at most one timeout per
+interval. The outage is logged once when it starts and once when the server
+is back. Server-side refusals (out of memory under ``noeviction``, and the
+like) fail only the stores concerned; they are logged once when they start
+and once, with the count, when stores are accepted again. A value of another
+type under one of this store's keys (WRONGTYPE) or a string of the wrong
+length is deleted when a lookup or load meets it (``stats.poisoned_keys``,
+``stats.corrupt_values``), so the next store rewrites it. Capacity and
+expiry are the server's business (``maxmemory``, ``maxmemory-policy``,
+``ttl_s``).
 """
 
 from __future__ import annotations
@@ -29,23 +44,30 @@ import json
 import logging
 import struct
 import threading
-import time
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 import redis
 import xxhash
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from kvoffload.transfer.block_buffers import BlockBuffers, as_block_views
+from kvoffload.transfer.redis_cluster import (
+    CLUSTER_SCHEMES,
+    DOWN,
+    ClusterLinks,
+    Links,
+    StandaloneLinks,
+    is_cluster_url,
+    parse_cluster_url,
+    redact_cluster_url,
+)
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _MAGIC = b"KVB1"
 # magic, version, pad, payload length, checksum of key + payload
 _HEADER = struct.Struct("<4sBxxxIQ")
@@ -57,7 +79,6 @@ _SCHEMES = {
     "valkey": "redis",
     "valkeys": "rediss",
 }
-_OUTAGE_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 T = TypeVar("T")
 
@@ -73,12 +94,18 @@ class RedisStoreStats:
     store_failures: int = 0
     misses: int = 0
     corrupt_values: int = 0
+    #: Stores the server refused (OOM under ``noeviction``, read-only replica...).
+    refused_stores: int = 0
+    #: Keys of this store holding another type (deleted when met).
+    poisoned_keys: int = 0
     outages: int = 0
     calls_skipped: int = 0
 
 
 def redact_url(url: str) -> str:
     """``url`` with any password replaced by ``***`` (for messages and logs)."""
+    if is_cluster_url(url):
+        return redact_cluster_url(url)
     try:
         parts = urllib.parse.urlsplit(url)
     except ValueError:
@@ -96,6 +123,9 @@ def normalize_url(url: str) -> str:
     if not isinstance(url, str) or not url:
         raise ValueError("the Redis URL is empty")
     shown = redact_url(url)
+    if is_cluster_url(url):
+        parse_cluster_url(url)  # raises on a bad one
+        return url
     try:
         parts = urllib.parse.urlsplit(url)
         port = parts.port
@@ -103,7 +133,7 @@ def normalize_url(url: str) -> str:
         raise ValueError(f"bad Redis URL {shown!r}: {e}") from None
     scheme = _SCHEMES.get(parts.scheme.lower())
     if scheme is None:
-        known = ", ".join(f"{s}://" for s in _SCHEMES)
+        known = ", ".join(f"{s}://" for s in (*_SCHEMES, *CLUSTER_SCHEMES))
         raise ValueError(f"bad Redis URL {shown!r}: the scheme must be one of {known}")
     if scheme == "unix":
         if not parts.path:
@@ -123,7 +153,11 @@ def normalize_url(url: str) -> str:
 def namespace_prefix(
     namespace: str, block_bytes: int, geometry_fingerprint: str, hash_fn: str
 ) -> bytes:
-    """The key prefix: namespace plus a digest of everything that makes blocks compatible."""
+    """The key prefix: namespace plus a digest of everything that makes blocks compatible.
+
+    ``geometry_fingerprint`` is the tier fingerprint (``slot_io.tier_fingerprint``),
+    which names the model: two models never share a prefix.
+    """
     if not namespace:
         raise ValueError("the Redis namespace must not be empty")
     ident = json.dumps(
@@ -145,8 +179,62 @@ def _checksum(key: bytes, payload: Any) -> int:
     return h.intdigest()
 
 
+class _RefusalAlarm:
+    """One warning when the server starts refusing stores, one (with the count) when it stops."""
+
+    def __init__(self, shown_url: str) -> None:
+        self.shown_url = shown_url
+        self.refusing = False
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def refused(self, n: int, err: BaseException) -> None:
+        with self._lock:
+            self.count += n
+            if self.refusing:
+                return
+            self.refusing = True
+        logger.warning(
+            "Redis tier at %s refuses stores (%s); they fail and are counted until it "
+            "accepts them again (maxmemory, maxmemory-policy)",
+            self.shown_url,
+            err,
+        )
+
+    def accepted(self) -> None:
+        if not self.refusing:
+            return
+        with self._lock:
+            if not self.refusing:
+                return
+            self.refusing = False
+            n, self.count = self.count, 0
+        logger.warning(
+            "Redis tier at %s accepts stores again (%d were refused meanwhile)",
+            self.shown_url,
+            n,
+        )
+
+    def report_at_close(self) -> None:
+        if self.refusing:
+            logger.warning(
+                "Redis tier at %s: closed while it refused stores (%d refused)",
+                self.shown_url,
+                self.count,
+            )
+
+
+def _is_wrongtype(reply: Any) -> bool:
+    return isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE")
+
+
+def _is_moved(reply: Any) -> bool:
+    return isinstance(reply, redis.ResponseError) and str(reply).startswith(("MOVED", "ASK"))
+
+
 class RedisBlockStore:
-    """Blocks of ``block_bytes`` in a Redis/Valkey server at ``url``, under ``namespace``.
+    """Blocks of ``block_bytes`` in a Redis/Valkey server (or cluster) at ``url``, under
+    ``namespace``.
 
     ``timeout_s`` bounds connecting and every socket read/write; ``ttl_s``
     expires blocks (refreshed on every hit); ``retry_interval_s`` is how long
@@ -156,6 +244,7 @@ class RedisBlockStore:
     the URL (``ValueError``); with ``check_connection`` it also pings the
     server, raising ``RedisStoreError`` on rejected credentials and warning
     (the tier starts in an outage) when it is unreachable.
+    ``geometry_fingerprint`` is the tier fingerprint (module docstring).
 
     Thread-safe: the client's connection pool hands each call its own socket.
     """
@@ -189,24 +278,24 @@ class RedisBlockStore:
         self.block_bytes = block_bytes
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self.timeout_s = timeout_s
-        self.retry_interval_s = retry_interval_s
-        self.max_retry_interval_s = max(max_retry_interval_s, retry_interval_s)
-        self._interval = retry_interval_s
+        self._retry_interval_s = retry_interval_s
+        self._max_retry_interval_s = max(max_retry_interval_s, retry_interval_s)
         self.prefix = namespace_prefix(namespace, block_bytes, geometry_fingerprint, hash_fn)
         self.value_bytes = HEADER_BYTES + block_bytes
         self._chunk = max(1, max_batch_bytes // self.value_bytes)
-        self.stats = RedisStoreStats()
-        self._state_lock = threading.Lock()
-        self._down_until = 0.0
-        self._down_since: float | None = None
+        self._stats = RedisStoreStats()
+        self._stats_lock = threading.Lock()
+        self._refusals = _RefusalAlarm(self.shown_url)
+        self.is_cluster = is_cluster_url(self.url)
+        links_cls = ClusterLinks if self.is_cluster else StandaloneLinks
         try:
-            self._client = redis.Redis.from_url(
+            self._links: Links = links_cls(
                 self.url,
-                socket_timeout=timeout_s,
-                socket_connect_timeout=timeout_s,
-                retry=Retry(NoBackoff(), 1),
-                retry_on_timeout=False,
-                health_check_interval=0,
+                self.shown_url,
+                timeout_s,
+                retry_interval_s,
+                self._max_retry_interval_s,
+                logger,
             )
         except (ValueError, redis.RedisError) as e:
             raise ValueError(f"bad Redis URL {self.shown_url!r}: {e}") from None
@@ -217,94 +306,78 @@ class RedisBlockStore:
 
     def _check_connection(self) -> None:
         try:
-            self._client.ping()
+            self._links.check()
         except redis.AuthenticationError as e:
             raise RedisStoreError(f"Redis at {self.shown_url} rejected the credentials: {e}") from e
         except redis.ResponseError as e:
             if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
                 raise RedisStoreError(f"Redis at {self.shown_url} needs credentials: {e}") from e
-            raise
-        except _OUTAGE_ERRORS as e:
-            self._mark_down(e)
-        else:
-            self._mark_up()
+            raise RedisStoreError(f"Redis at {self.shown_url} refused a PING: {e}") from e
+
+    @property
+    def stats(self) -> RedisStoreStats:
+        """Counters; ``outages`` and ``calls_skipped`` sum over every node."""
+        self._stats.outages = self._links.outages
+        self._stats.calls_skipped = self._links.calls_skipped
+        return self._stats
+
+    @property
+    def retry_interval_s(self) -> float:
+        return self._retry_interval_s
+
+    @retry_interval_s.setter
+    def retry_interval_s(self, value: float) -> None:
+        self._retry_interval_s = value
+        self._max_retry_interval_s = max(self._max_retry_interval_s, value)
+        self._links.set_retry(value, self._max_retry_interval_s)
 
     @property
     def available(self) -> bool:
-        """False while an outage is assumed (calls answer without the network)."""
-        return self._down_since is None
-
-    def _mark_down(self, err: BaseException) -> None:
-        with self._state_lock:
-            if self._down_since is None:
-                self._interval = self.retry_interval_s
-            else:
-                self._interval = min(2 * self._interval, self.max_retry_interval_s)
-            self._down_until = time.monotonic() + self._interval
-            if self._down_since is None:
-                self._down_since = time.monotonic()
-                self.stats.outages += 1
-                logger.warning(
-                    "Redis tier at %s is unreachable (%s: %s); its loads are misses and its "
-                    "stores fail until it is back (next try in %.1fs, backing off to %.1fs)",
-                    self.shown_url,
-                    type(err).__name__,
-                    err,
-                    self.retry_interval_s,
-                    self.max_retry_interval_s,
-                )
-
-    def _mark_up(self) -> None:
-        if self._down_since is None:
-            return
-        with self._state_lock:
-            if self._down_since is None:
-                return
-            down_for = time.monotonic() - self._down_since
-            self._down_since = None
-            logger.warning(
-                "Redis tier at %s is back after %.1fs (%d calls skipped meanwhile)",
-                self.shown_url,
-                down_for,
-                self.stats.calls_skipped,
-            )
-
-    def _guarded(self, fn: Callable[[], T], fallback: T) -> T:
-        """``fn()``, or ``fallback`` during an outage or when the server is unreachable."""
-        if self._down_since is not None and time.monotonic() < self._down_until:
-            self.stats.calls_skipped += 1
-            return fallback
-        try:
-            out = fn()
-        except _OUTAGE_ERRORS as e:
-            self._mark_down(e)
-            return fallback
-        self._mark_up()
-        return out
+        """False while every server (node) is assumed down (calls skip the network)."""
+        return self._links.available
 
     def ping(self) -> bool:
-        """Probe the server now (ignores the breaker's wait); True when it answers."""
-        with self._state_lock:
-            self._down_until = 0.0
-        return bool(self._guarded(self._client.ping, False))
+        """Probe every server now (ignores the breakers' wait); True when all answer."""
+        for b in self._links.breakers():
+            b.probe_now()
+        try:
+            self._links.check()
+        except redis.RedisError:
+            return False
+        return all(b.up for b in self._links.breakers())
 
     # -- keys ---------------------------------------------------------------
 
     def redis_key(self, key: bytes) -> bytes:
-        return self.prefix + bytes(key)
+        # The braces are a cluster hash tag: one slot per block (module docstring).
+        return self.prefix + b"{" + bytes(key).hex().encode() + b"}"
 
     def _chunks(self, n: int) -> list[range]:
         return [range(i, min(n, i + self._chunk)) for i in range(0, n, self._chunk)]
 
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, d in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + d)
+
+    def _note_moved(self, replies: Sequence[Any]) -> None:
+        if any(_is_moved(r) for r in replies):
+            self._links.moved()
+
     # -- batch calls --------------------------------------------------------
 
     def put(self, keys: Sequence[bytes], blocks: BlockBuffers) -> list[bool]:
-        """Store ``blocks[i]`` as ``keys[i]``; per block, whether the server accepted it."""
+        """Store ``blocks[i]`` as ``keys[i]``; per block, whether the server accepted it.
+
+        SET replaces a value of any type, so a poisoned key is rewritten here.
+        """
         keys = [bytes(k) for k in keys]
         n = len(keys)
         views = as_block_views(blocks, n, self.block_bytes)
         ok = [False] * n
+        refused: list[Exception] = []
         for chunk in self._chunks(n):
+            rkeys = [self.redis_key(keys[i]) for i in chunk]
             values = []
             for i in chunk:
                 val = bytearray(self.value_bytes)
@@ -313,32 +386,22 @@ class RedisBlockStore:
                 _HEADER.pack_into(val, 0, _MAGIC, FORMAT_VERSION, self.block_bytes, csum)
                 values.append(val)
 
-            def send(chunk: range = chunk, values: list[bytearray] = values) -> list[Any]:
-                pipe = self._client.pipeline(transaction=False)
-                for i, val in zip(chunk, values):
-                    pipe.set(self.redis_key(keys[i]), val, px=self.ttl_ms)
-                return pipe.execute(raise_on_error=False)
+            def add(pipe: Any, j: int, rkeys: list[bytes] = rkeys, values: list = values) -> None:
+                pipe.set(rkeys[j], values[j], px=self.ttl_ms)
 
-            replies = self._guarded(send, None)
-            if replies is None:
-                continue
-            errors = [r for r in replies if isinstance(r, Exception)]
+            replies = self._links.each(rkeys, add)
+            self._note_moved(replies)
             for i, r in zip(chunk, replies):
                 ok[i] = r is True
-            if errors:
-                logger.debug("Redis tier refused %d stores: %s", len(errors), errors[0])
+                if isinstance(r, redis.ResponseError) and not _is_moved(r):
+                    refused.append(r)
         stored = sum(ok)
-        self.stats.blocks_written += stored
-        self.stats.store_failures += n - stored
+        self._count(blocks_written=stored, store_failures=n - stored, refused_stores=len(refused))
+        if refused:
+            self._refusals.refused(len(refused), refused[0])
+        elif stored:
+            self._refusals.accepted()
         return ok
-
-    def _fetch(self, rkeys: list[bytes]) -> list[Any]:
-        if self.ttl_ms is None:
-            return self._client.mget(rkeys)
-        pipe = self._client.pipeline(transaction=False)
-        for k in rkeys:
-            pipe.getex(k, px=self.ttl_ms)
-        return pipe.execute(raise_on_error=False)
 
     def get_into(self, keys: Sequence[bytes], out: BlockBuffers) -> list[bool]:
         """Read ``keys[i]`` into ``out[i]``; per block, whether it is a verified hit.
@@ -350,13 +413,26 @@ class RedisBlockStore:
         views = as_block_views(out, n, self.block_bytes, writable=True)
         hit = [False] * n
         corrupt: list[bytes] = []
+        poisoned: list[bytes] = []
         for chunk in self._chunks(n):
             rkeys = [self.redis_key(keys[i]) for i in chunk]
-            values = self._guarded(lambda rkeys=rkeys: self._fetch(rkeys), None)
-            if values is None:
-                continue
+            if self.ttl_ms is None:
+
+                def add(pipe: Any, j: int, rkeys: list[bytes] = rkeys) -> None:
+                    pipe.get(rkeys[j])
+
+            else:
+
+                def add(pipe: Any, j: int, rkeys: list[bytes] = rkeys) -> None:
+                    pipe.getex(rkeys[j], px=self.ttl_ms)
+
+            values = self._links.each(rkeys, add)
+            self._note_moved(values)
             for i, rk, val in zip(chunk, rkeys, values):
-                if val is None or isinstance(val, Exception):
+                if _is_wrongtype(val):
+                    poisoned.append(rk)
+                    continue
+                if val is None or val is DOWN or isinstance(val, Exception):
                     continue
                 payload = self._verify(keys[i], val)
                 if payload is None:
@@ -364,14 +440,26 @@ class RedisBlockStore:
                     continue
                 views[i][:] = payload
                 hit[i] = True
-        if corrupt:
-            self.stats.corrupt_values += len(corrupt)
-            logger.warning("Redis tier: dropped %d values that failed verification", len(corrupt))
-            self._guarded(lambda: self._client.delete(*corrupt), 0)
+        self._drop_bad(corrupt, poisoned)
         found = sum(hit)
-        self.stats.blocks_read += found
-        self.stats.misses += n - found
+        self._count(blocks_read=found, misses=n - found)
         return hit
+
+    def _drop_bad(self, corrupt: list[bytes], poisoned: list[bytes]) -> None:
+        """Delete values that failed verification and keys of the wrong type (counted)."""
+        if corrupt:
+            self._count(corrupt_values=len(corrupt))
+            logger.warning("Redis tier: dropped %d values that failed verification", len(corrupt))
+        if poisoned:
+            self._count(poisoned_keys=len(poisoned))
+            logger.warning(
+                "Redis tier: deleted %d keys of this store that held another type "
+                "(WRONGTYPE); the next store rewrites them",
+                len(poisoned),
+            )
+        bad = corrupt + poisoned
+        if bad:
+            self._links.each(bad, lambda pipe, j: pipe.delete(bad[j]))
 
     def _verify(self, key: bytes, val: bytes) -> np.ndarray | None:
         if len(val) != self.value_bytes:
@@ -391,18 +479,30 @@ class RedisBlockStore:
         return [out[i] if h else None for i, h in enumerate(hit)]
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each key is on the server now (all False during an outage)."""
-        keys = list(keys)
-        if not keys:
+        """Whether each key holds a value of this store's size now (all False during an outage).
+
+        STRLEN rather than EXISTS: a key of another type (WRONGTYPE) or a
+        string of the wrong length is no block; it is deleted here, so the
+        engine stores the block again instead of failing to load it forever.
+        """
+        rkeys = [self.redis_key(k) for k in keys]
+        if not rkeys:
             return []
-
-        def exists() -> list[bool]:
-            pipe = self._client.pipeline(transaction=False)
-            for k in keys:
-                pipe.exists(self.redis_key(k))
-            return [r == 1 for r in pipe.execute(raise_on_error=False)]
-
-        return self._guarded(exists, [False] * len(keys))
+        replies = self._links.each(rkeys, lambda pipe, j: pipe.strlen(rkeys[j]))
+        self._note_moved(replies)
+        present = [False] * len(rkeys)
+        corrupt: list[bytes] = []
+        poisoned: list[bytes] = []
+        for i, (rk, r) in enumerate(zip(rkeys, replies)):
+            if _is_wrongtype(r):
+                poisoned.append(rk)
+            elif isinstance(r, int) and not isinstance(r, bool):
+                if r == self.value_bytes:
+                    present[i] = True
+                elif r:
+                    corrupt.append(rk)
+        self._drop_bad(corrupt, poisoned)
+        return present
 
     def contains(self, key: bytes) -> bool:
         return self.contains_many([key])[0]
@@ -412,27 +512,40 @@ class RedisBlockStore:
         rkeys = [self.redis_key(k) for k in keys]
         if not rkeys:
             return 0
-        return int(self._guarded(lambda: self._client.delete(*rkeys), 0))
+        replies = self._links.each(rkeys, lambda pipe, j: pipe.delete(rkeys[j]))
+        return sum(1 for r in replies if r == 1 and not isinstance(r, bool))
 
     def clear(self) -> int:
-        """Delete every block under this store's prefix (SCAN, not KEYS); returns the count."""
+        """Delete every block under this store's prefix on every server (SCAN, not KEYS)."""
+        total = 0
+        for target in self._links.targets():
 
-        def scan_delete() -> int:
-            n = 0
-            batch: list[bytes] = []
-            for k in self._client.scan_iter(match=self.prefix + b"*", count=1000):
-                batch.append(k)
-                if len(batch) >= 1000:
-                    n += self._client.delete(*batch)
-                    batch = []
-            if batch:
-                n += self._client.delete(*batch)
-            return n
+            def scan_delete(client: redis.Redis = target.client) -> int:
+                n = 0
+                batch: list[bytes] = []
+                for k in client.scan_iter(match=self.prefix + b"*", count=1000):
+                    batch.append(k)
+                    if len(batch) >= 1000:
+                        n += self._delete_on(client, batch)
+                        batch = []
+                if batch:
+                    n += self._delete_on(client, batch)
+                return n
 
-        return self._guarded(scan_delete, 0)
+            total += target.breaker.guarded(scan_delete, 0)
+        return total
+
+    @staticmethod
+    def _delete_on(client: redis.Redis, keys: list[bytes]) -> int:
+        # One DEL per key: keys of one batch may sit in different cluster slots.
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            pipe.delete(k)
+        return sum(1 for r in pipe.execute(raise_on_error=False) if r == 1)
 
     def close(self) -> None:
-        self._client.close()
+        self._refusals.report_at_close()
+        self._links.close()
 
     def __enter__(self) -> RedisBlockStore:
         return self
