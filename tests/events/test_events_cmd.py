@@ -153,16 +153,46 @@ def test_timeout_before_max_batches_is_exit_status_1(make_pub: PublisherFactory)
     assert rc == 0
 
 
+def _namespace(**overrides: object) -> argparse.Namespace:
+    values = {
+        "endpoint": "tcp://127.0.0.1:1",
+        "replay_endpoint": None,
+        "topic": "",
+        "json": False,
+        "max_batches": None,
+        "timeout": None,
+        "from_seq": None,
+    }
+    return argparse.Namespace(**{**values, **overrides})
+
+
 def test_bad_arguments_are_value_errors() -> None:
+    # stream_events checks its arguments itself too, for callers without the parser.
     with pytest.raises(ValueError, match="--from-seq needs --replay-endpoint"):
-        _stream(_args("--from-seq", "0"))
+        _stream(_namespace(from_seq=0))
     with pytest.raises(ValueError, match="--max-batches"):
-        _stream(_args("--max-batches", "0"))
-    for bad in ("nan", "inf", "-1", "0"):
+        _stream(_namespace(max_batches=0))
+    for bad in (math.nan, math.inf, -1.0, 0.0):
         with pytest.raises(ValueError, match="--timeout must be a finite number"):
-            _stream(_args("--timeout", bad))
+            _stream(_namespace(timeout=bad))
     with pytest.raises(ValueError, match="--from-seq must be >= 0"):
-        _stream(_args("--from-seq", "-3", "--replay-endpoint", "tcp://127.0.0.1:1"))
+        _stream(_namespace(from_seq=-3, replay_endpoint="tcp://127.0.0.1:1"))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--timeout", "nan"),
+        ("--timeout", "inf"),
+        ("--timeout", "-1"),
+        ("--max-batches", "0"),
+        ("--from-seq", "-1"),
+        ("--replay-endpoint", "garbage"),
+    ],
+)
+def test_bad_flags_are_parser_errors(argv: tuple[str, ...]) -> None:
+    with pytest.raises(SystemExit):
+        _args(*argv)
 
 
 def test_format_gap() -> None:

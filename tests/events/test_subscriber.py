@@ -230,3 +230,21 @@ def test_recv_keeps_waiting_after_an_undecodable_batch() -> None:
         fake.close()
     assert [r.seq for r in got] == [1]
     assert sub.lost_ranges == [(0, 0)]
+
+
+def test_bad_replay_endpoint_is_an_oserror_and_leaks_no_socket() -> None:
+    # The DEALER that failed to connect used to stay open, so closing the
+    # context blocked for ever. The thread join is only a hang guard.
+    errors: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            KVEventSubscriber("tcp://127.0.0.1:1", "tcp://127.0.0.1:notaport")
+        except OSError as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=build)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "constructing the subscriber hung"
+    assert errors and "notaport" in str(errors[0])
