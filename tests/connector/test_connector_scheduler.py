@@ -54,13 +54,55 @@ def test_hit_then_load() -> None:
     h.assert_nothing_held()
 
 
-def test_last_prompt_token_is_never_loaded() -> None:
+def test_block_of_the_last_prompt_token_is_loaded_and_only_that_token_recomputed() -> None:
+    """vLLM 0.33: the offloaded block holding the last prompt token is loaded too."""
     h = Harness()
     prompt = tokens(2 * BS)
-    _blocks, hs = h.compute("a", prompt)
+    blocks, hs = h.compute("a", prompt)
     h.finish_all()
-    # the whole prompt is two full blocks: only the first may be loaded
-    assert h.conn.get_num_new_matched_tokens("b", hs, 0, len(prompt)) == BS
+    h.pool.free_request_blocks(blocks)
+    # the whole prompt is two full blocks: both load, the engine recomputes 1 token
+    n = h.conn.get_num_new_matched_tokens("b", hs, 0, len(prompt))
+    assert n == len(prompt) - 1
+    new = h.pool.get_new_blocks(-(-n // BS))  # what the engine allocates for n tokens
+    assert len(new) == 2
+    h.conn.update_state_after_alloc("b", new, n)
+    (load,) = h.conn.build_connector_meta().loads
+    assert list(load.dst.block_ids) == [b.block_id for b in new]
+    assert list(load.src.block_ids) == [h.manager.slot_of(make_offload_key(x)) for x in hs]
+    h.conn.update_connector_output([Result(load.job_id)])
+    # a GPU hit of one block: the tier supplies the last block, minus its last token
+    assert h.conn.get_num_new_matched_tokens("c", hs, BS, len(prompt)) == BS - 1
+    # an unaligned prompt: its full blocks all load, the partial tail is computed
+    assert h.conn.get_num_new_matched_tokens("d", hs, 0, len(prompt) + 1) == 2 * BS
+
+
+def test_last_token_rule_with_block_size_factor_and_size_one_blocks() -> None:
+    from kvoffload.blocks import BlockPool
+    from kvoffload.connector import OffloadingConnectorScheduler
+    from kvoffload.hashing import hash_request_tokens, xxhash64
+    from kvoffload.offload import CPUOffloadingManager
+
+    pool = BlockPool(32)
+    m = CPUOffloadingManager(16, cache_policy="lru")
+    conn = OffloadingConnectorScheduler(pool, m, BS, block_size_factor=2)
+    prompt = tokens(4 * BS)
+    hs = hash_request_tokens(prompt, BS, xxhash64)
+    conn.store_blocks("a", [(conn._key(hs, j), pool.get_new_blocks(2)) for j in range(2)])
+    conn.update_connector_output([Result(j.job_id) for j in conn.build_connector_meta().stores])
+    n = conn.get_num_new_matched_tokens("b", hs, 0, len(prompt))
+    assert n == 4 * BS - 1  # both offloaded blocks (8 tokens each), one token recomputed
+    gpu = pool.get_new_blocks(-(-n // BS))
+    conn.update_state_after_alloc("b", gpu, n)
+    (load,) = conn.build_connector_meta().loads
+    assert len(load.dst.block_ids) == 4
+
+    one = OffloadingConnectorScheduler(BlockPool(8), CPUOffloadingManager(8, "lru"), 1)
+    hs1 = hash_request_tokens(tokens(3), 1, xxhash64)
+    one.store_blocks("a", [(one._key(hs1, j), one.pool.get_new_blocks(1)) for j in range(3)])
+    one.update_connector_output([Result(j.job_id) for j in one.build_connector_meta().stores])
+    # block size 1: the last block is the last token alone, computed, never loaded
+    assert one.get_num_new_matched_tokens("b", hs1, 0, 3) == 2
 
 
 def test_partial_hit_after_gpu_prefix() -> None:
@@ -201,3 +243,20 @@ def test_store_larger_than_the_tier_keeps_the_chain_head() -> None:
     h.conn.update_connector_output([Result(job.job_id)])
     assert h.manager.lookup([make_offload_key(x) for x in hs]) == 2  # the first two
     assert h.conn.stats.stores_skipped_no_room == 2
+
+
+def test_reset_cache_refuses_while_jobs_run_then_empties_the_tier() -> None:
+    h = Harness()
+    blocks, hs = h.compute("a", tokens(2 * BS + 1))  # an eager store is queued
+    assert h.conn.reset_cache() is False  # a job is in flight
+    h.finish_all()
+    h.conn.take_events()
+    assert h.conn.reset_cache() is True
+    assert h.manager.lookup([make_offload_key(x) for x in hs]) == 0
+    (ev,) = h.conn.take_events()
+    assert isinstance(ev, BlockRemoved) and ev.medium == "CPU"
+    assert sorted(ev.block_hashes) == sorted(hs)
+    # store progress starts over: the running request offers its blocks again
+    h.conn.on_blocks_computed("a", blocks, hs, 2 * BS + 1)
+    (job,) = h.conn.build_connector_meta().stores
+    assert len(job.dst.block_ids) == 2

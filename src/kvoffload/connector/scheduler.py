@@ -123,10 +123,22 @@ class OffloadingConnectorScheduler:
     ) -> int:
         """Tokens after ``num_computed_tokens`` (the GPU hit) that the tier can supply.
 
-        The last prompt token is never loaded: the engine must compute it to get
-        the logits of the first output token. A GPU hit that ends inside an
-        offloaded block gets no tier hit (a load must start at an offloaded
-        block's boundary, and a gap cannot be skipped).
+        ``num_prompt_tokens``: the request's tokens so far. Every full
+        offloaded block of them is a candidate, the one that holds the last
+        token included, as in vLLM 0.33's offloading connector (for
+        full-attention KV). The last token itself must be computed (its
+        logits give the next token), so when the hit reaches it the count
+        returned stops one token short: the engine counts ``num_computed +
+        returned`` tokens computed once the load lands and recomputes just
+        that token, while ``update_state_after_alloc`` still loads the whole
+        block. (vLLM's connector returns the full count and its scheduler
+        takes the token back; the blocks loaded and the token recomputed are
+        the same.) With ``block_size == 1`` that last block is the token
+        alone and is not loaded.
+
+        A GPU hit that ends inside an offloaded block gets no tier hit (a
+        load must start at an offloaded block's boundary, and a gap cannot
+        be skipped).
         """
         self._pending_loads.pop(req_id, None)
         bs, f = self.block_size, self.factor
@@ -135,7 +147,10 @@ class OffloadingConnectorScheduler:
         start_gpu = num_computed_tokens // bs
         if start_gpu % f:
             return 0
-        max_gpu_blocks = min((num_prompt_tokens - 1) // bs, len(block_hashes))
+        # The engine allocates blocks for num_prompt_tokens - 1 tokens: with
+        # block_size 1 the last token's block is not among them.
+        usable = num_prompt_tokens if bs > 1 else num_prompt_tokens - 1
+        max_gpu_blocks = min(usable // bs, len(block_hashes))
         start, end = start_gpu // f, max_gpu_blocks // f
         if end <= start:
             return 0
@@ -144,7 +159,8 @@ class OffloadingConnectorScheduler:
         if hit == 0:
             return 0
         self._pending_loads[req_id] = _PendingLoad(start_gpu, keys[:hit])
-        return hit * f * bs
+        hit_end = (start + hit) * f * bs
+        return min(hit_end, num_prompt_tokens - 1) - num_computed_tokens
 
     def update_state_after_alloc(
         self, req_id: str, request_blocks: Sequence[KVCacheBlock], num_external_tokens: int
@@ -153,7 +169,10 @@ class OffloadingConnectorScheduler:
         pending = self._pending_loads.pop(req_id, None)
         if pending is None or num_external_tokens <= 0:
             return
-        n_offloaded = num_external_tokens // (self.block_size * self.factor)
+        # Ceil: a count one short of a block boundary (the last prompt token,
+        # recomputed) still loads that whole block.
+        per_block = self.block_size * self.factor
+        n_offloaded = min(-(-num_external_tokens // per_block), len(pending.keys))
         keys = pending.keys[:n_offloaded]
         gpu_blocks = list(
             request_blocks[
@@ -304,6 +323,22 @@ class OffloadingConnectorScheduler:
     def request_preempted(self, req_id: str) -> None:
         """Preempted requests restart from their prefix hit; same as finished here."""
         self.request_finished(req_id)
+
+    # -- reset ----------------------------------------------------------------
+
+    def reset_cache(self) -> bool:
+        """Empty the offload tier(s); False (nothing changed) while any job is in flight.
+
+        Like vLLM's connector reset, store progress starts over, so running
+        requests offer their blocks again; the tier announces the removals
+        (``take_events``). The GPU prefix cache is the engine's to reset.
+        """
+        if self._jobs or not self.manager.reset_cache():
+            return False
+        self._pending_loads.clear()
+        self._next_store_block.clear()
+        self._in_flight_keys.clear()
+        return True
 
     def num_in_flight_jobs(self) -> int:
         return len(self._jobs)

@@ -41,6 +41,13 @@ class SimpleCPUOffloadScheduler(OffloadingConnectorScheduler):
         key = make_offload_key(h, self.group_idx)
         return key not in self._in_flight_keys and not self.manager.is_stored(key)
 
+    def reset_cache(self) -> bool:
+        """As the base class; the lazy walk also starts over (the tier lost its copies)."""
+        if not super().reset_cache():
+            return False
+        self.walker = LazyStoreWalker(self.pool)
+        return True
+
     def cpu_room(self) -> int:
         return self.manager.num_free_blocks() + self.manager.num_evictable_blocks()
 
