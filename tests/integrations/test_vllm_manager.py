@@ -173,3 +173,19 @@ def test_settings_take_vllms_names_with_vllms_meaning() -> None:
         {"cpu_bytes": "64GiB", "disk_dir": "/d", "disk_bytes": "1TiB", "write_through": "true"}
     )
     assert s.cpu_bytes == 64 << 30 and s.disk_bytes == 1 << 40 and s.write_through
+
+
+def test_reset_cache_forgets_every_tier_and_in_flight_job() -> None:
+    m = tiered(n_cpu=1)
+    store(m, [key(1)])
+    store(m, [key(2)])  # key 1 on disk, key 2 in CPU
+    m.prepare_store([key(3)], ctx())  # in flight at the reset: vLLM never completes it
+    m.take_events()
+    m.reset_cache()
+    assert m.num_in_flight() == 0
+    for i in (1, 2, 3):
+        assert m.lookup(key(i), ctx()) is MISS
+    removed = {(e.medium, e.ownership) for e in m.take_events() if e.removed}
+    assert (Medium.CPU, None) in removed and (Medium.STORAGE, "DISK") in removed
+    store(m, [key(4)])
+    assert m.lookup(key(4), ctx()) is HIT

@@ -271,9 +271,18 @@ class KVOffloadManager(OffloadingManager):
             )
 
     def reset_cache(self) -> None:
+        """Forget every block of every tier (vLLM: ``reset_prefix_cache``, e.g. new weights).
+
+        vLLM drops the jobs in flight at a reset (it never completes them, and
+        makes the workers finish them before any new job runs), so the tiers
+        are reset with ``force`` and the adapter forgets those jobs too.
+        """
         reset = getattr(self.inner, "reset_cache", None)
         if reset is not None:
-            reset()
+            reset(force=True)
+        self._loads.clear()
+        self._stores.clear()
+        self._failed.clear()
         self._offers.clear()
 
     def num_in_flight(self) -> int:
