@@ -9,18 +9,38 @@ Two public names, for ``--kv-transfer-config`` (see docs/vllm.md):
   load-failure recovery wired (``"kv_connector": "KVOffloadConnector"``,
   ``"kv_connector_module_path": "kvoffload.integrations.vllm"``).
 
-Importing this package imports vLLM; the core ``kvoffload`` package never does.
+Importing these names imports vLLM; the core ``kvoffload`` package never
+does. They are resolved on first use (PEP 562), so the worker module alone
+(``kvoffload.integrations.vllm.worker``) needs only vLLM's
+``vllm.v1.kv_offload.base``: the GPU check runs it on a machine without vLLM.
 """
 
-from kvoffload.integrations.vllm.connector import KVOffloadConnector
-from kvoffload.integrations.vllm.manager import KVOffloadJobSpec, KVOffloadManager
-from kvoffload.integrations.vllm.settings import (
-    KVOffloadConfigError,
-    KVOffloadSettings,
-    parse_settings,
-)
-from kvoffload.integrations.vllm.spec import KVOffloadSpec
-from kvoffload.integrations.vllm.worker import KVOffloadWorker
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvoffload.integrations.vllm.connector import KVOffloadConnector
+    from kvoffload.integrations.vllm.manager import KVOffloadJobSpec, KVOffloadManager
+    from kvoffload.integrations.vllm.settings import (
+        KVOffloadConfigError,
+        KVOffloadSettings,
+        parse_settings,
+    )
+    from kvoffload.integrations.vllm.spec import KVOffloadSpec
+    from kvoffload.integrations.vllm.worker import KVOffloadWorker
+
+_WHERE: dict[str, str] = {
+    "KVOffloadConnector": "connector",
+    "KVOffloadJobSpec": "manager",
+    "KVOffloadManager": "manager",
+    "KVOffloadConfigError": "settings",
+    "KVOffloadSettings": "settings",
+    "parse_settings": "settings",
+    "KVOffloadSpec": "spec",
+    "KVOffloadWorker": "worker",
+}
 
 __all__ = [
     "KVOffloadConfigError",
@@ -32,3 +52,12 @@ __all__ = [
     "KVOffloadWorker",
     "parse_settings",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

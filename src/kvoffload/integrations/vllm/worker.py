@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from vllm.v1.kv_offload.base import (
@@ -40,9 +41,12 @@ from vllm.v1.kv_offload.base import (
 from kvoffload.integrations.vllm.manager import KVOffloadJobSpec
 from kvoffload.offload import GPULoadStoreSpec as KVGPUSpec
 from kvoffload.transfer import HostPool, KVGeometry, KVLayout
-from kvoffload.transfer.tiers import LowerTiers
 from kvoffload.transfer.worker import OffloadingWorker as KVWorker
 from kvoffload.transfer.worker import make_cpu_gpu_handler
+
+if TYPE_CHECKING:
+    # The tiers module imports the Redis client; the CPU-only worker must not need it.
+    from kvoffload.transfer.tiers import LowerTiers
 
 logger = logging.getLogger(__name__)
 
