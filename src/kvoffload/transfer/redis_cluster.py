@@ -84,9 +84,9 @@ def parse_cluster_url(url: str) -> ClusterURL:
     tls = CLUSTER_SCHEMES.get(scheme.lower())
     if tls is None:
         raise ValueError(f"bad Redis Cluster URL {shown!r}: unknown scheme")
+    rest, q, query = rest.partition("?")
     netloc, _, path = rest.partition("/")
-    path, _, query = path.partition("?")
-    if query:
+    if q:
         raise ValueError(f"bad Redis Cluster URL {shown!r}: options (?...) are not supported")
     if path not in ("", "0"):
         raise ValueError(f"bad Redis Cluster URL {shown!r}: a cluster has only database 0")
@@ -207,8 +207,9 @@ def _client_kwargs(timeout_s: float) -> dict[str, Any]:
     return {
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,
-        "retry": Retry(NoBackoff(), 1),
-        "retry_on_timeout": False,
+        # One immediate retry for a stale pooled connection; never for a timeout
+        # (a server that swallows packets must cost one timeout, not two).
+        "retry": Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
         "health_check_interval": 0,
     }
 
