@@ -84,7 +84,7 @@ def parse_cluster_url(url: str) -> ClusterURL:
     tls = CLUSTER_SCHEMES.get(scheme.lower())
     if tls is None:
         raise ValueError(f"bad Redis Cluster URL {shown!r}: unknown scheme")
-    rest, q, query = rest.partition("?")
+    rest, q, _ = rest.partition("?")
     netloc, _, path = rest.partition("/")
     if q:
         raise ValueError(f"bad Redis Cluster URL {shown!r}: options (?...) are not supported")
