@@ -50,7 +50,7 @@ def wait_subscribed(
         if received_any(0.05):
             # Let the remaining probes arrive and be drained, so that the
             # caller's first receive is its own batch.
-            assert pub.flush()
+            assert pub.flush(120.0)
             while received_any(0.05):
                 pass
             return

@@ -52,7 +52,7 @@ def test_json_from_seq_replays_buffered_batches(make_pub: PublisherFactory) -> N
     pub = make_pub(data_parallel_rank=2)
     for i in range(4):
         pub.publish(_sample_events(i))
-    assert pub.flush()
+    assert pub.flush(120.0)
     args = _args(
         "--endpoint", pub.endpoint, "--replay-endpoint", pub.replay_endpoint,
         "--from-seq", "1", "--max-batches", "3", "--json", "--timeout", "10",
@@ -83,7 +83,7 @@ def test_json_from_seq_replays_buffered_batches(make_pub: PublisherFactory) -> N
 def test_json_legacy_profile_shows_byte_hashes_as_hex(make_pub: PublisherFactory) -> None:
     pub = make_pub(profile="legacy")
     pub.publish(_sample_events(1))
-    assert pub.flush()
+    assert pub.flush(120.0)
     args = _args(
         "--endpoint", pub.endpoint, "--replay-endpoint", pub.replay_endpoint,
         "--from-seq", "0", "--max-batches", "1", "--json", "--timeout", "10",
@@ -127,7 +127,7 @@ def test_lost_batches_are_reported_on_stderr(make_pub: PublisherFactory) -> None
     pub = make_pub(buffer_steps=3)
     for i in range(10):
         pub.publish(_sample_events(i))
-    assert pub.flush()
+    assert pub.flush(120.0)
     args = _args(
         "--endpoint", pub.endpoint, "--replay-endpoint", pub.replay_endpoint,
         "--from-seq", "0", "--max-batches", "3", "--timeout", "10",
@@ -206,7 +206,7 @@ def test_subprocess_kvoffload_events(make_pub: PublisherFactory) -> None:
     pub = make_pub()
     for i in range(2):
         pub.publish(_sample_events(i))
-    assert pub.flush()
+    assert pub.flush(120.0)
     src = Path(events_cmd.__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(
@@ -267,7 +267,7 @@ def test_nan_and_huge_timestamps_print_safely(make_pub: PublisherFactory) -> Non
     stamps = [math.nan, 1e300, -math.inf, 12.5]
     for ts in stamps:
         pub.publish(KVEventBatch(ts=ts, events=[AllBlocksCleared()]))
-    assert pub.flush()
+    assert pub.flush(120.0)
     common = (
         "--endpoint", pub.endpoint, "--replay-endpoint", pub.replay_endpoint,
         "--from-seq", "0", "--max-batches", "4", "--timeout", "10",

@@ -102,7 +102,7 @@ def test_publish_never_blocks_without_subscribers_or_at_hwm(make_pub: PublisherF
     try:
         events = [BlockRemoved([bytes(32)] * 64, "CPU")] * 50
         assert all(pub.publish(events) for _ in range(2000))
-        assert pub.flush()
+        assert pub.flush(120.0)
         assert pub.stats.published_batches == 2000
         assert pub.next_seq == 2000
     finally:
@@ -132,9 +132,9 @@ def test_full_queue_drops_and_the_gap_is_reported_lost(
         assert not pub.publish([AllBlocksCleared()])  # seq 3, 4: dropped
         assert not pub.publish([AllBlocksCleared()])
         release.set()
-        assert pub.flush()
+        assert pub.flush(120.0)
         assert pub.publish([AllBlocksCleared()])  # seq 5
-        assert pub.flush()
+        assert pub.flush(120.0)
         seqs: list[int] = []
         while 5 not in seqs:
             got = sub.recv(5.0)
@@ -190,5 +190,5 @@ def test_publish_from_several_threads_keeps_seqs_unique(make_pub: PublisherFacto
         t.start()
     for t in threads:
         t.join()
-    assert pub.flush()
+    assert pub.flush(120.0)
     assert pub.buffered_seqs() == list(range(800))

@@ -258,7 +258,7 @@ def test_every_tier_medium_and_block_size_zero_survive_the_subscriber(
     events += [BlockRemoved(H[:1], m) for m in (MEDIUM_GPU, *secondary)]
     events += [AllBlocksCleared()]
     pub.publish(events)
-    assert pub.flush()
+    assert pub.flush(120.0)
     with KVEventSubscriber(pub.endpoint, pub.replay_endpoint, TOPIC, start_seq=0) as sub:
         (received,) = sub.recv(GUARD_S)
     assert received.profile == profile
@@ -288,7 +288,7 @@ def test_replay_flood_delays_live_batches_by_at_most_one_message(
     pub = make_pub(buffer_steps=200)
     for _ in range(200):
         pub.publish([AllBlocksCleared()])
-    assert pub.flush()
+    assert pub.flush(120.0)
     # (live batches waiting, live batches sent) before each replay message.
     trace: list[tuple[int, int]] = []
     send_one = pub._send_one_replay
@@ -336,7 +336,7 @@ def test_bare_publisher_without_subscribers_answers_replays_in_turn(
     pub = make_pub(buffer_steps=10)
     for _ in range(10):
         pub.publish([AllBlocksCleared()])
-    assert pub.flush()
+    assert pub.flush(120.0)
     ctx = zmq.Context()
     dealers = [ctx.socket(zmq.DEALER) for _ in range(2)]
     try:

@@ -43,7 +43,7 @@ def test_start_seq_catches_up_then_follows_live(make_pub: PublisherFactory) -> N
     pub = make_pub()
     for i in range(5):
         pub.publish([BlockRemoved([bytes([i]) * 32], "GPU")])
-    assert pub.flush()
+    assert pub.flush(120.0)
     seen: list[ReceivedBatch] = []
 
     def received_any(timeout_s: float) -> bool:
@@ -78,7 +78,7 @@ def _flood_and_collect(
     """
     for i in range(n):
         assert pub.publish(_big_batch(i))
-    assert pub.flush()
+    assert pub.flush(120.0)
     got: list[ReceivedBatch] = []
     while batch := sub.recv(0.5):
         got.extend(batch)

@@ -183,7 +183,7 @@ def test_legacy_replay_from_seq_dealer(make_pub: PublisherFactory) -> None:
     pub = make_pub(buffer_steps=100, profile="legacy")
     for i in range(10):
         pub.publish([BlockRemoved([i.to_bytes(32, "big")], "CPU")])
-    assert pub.flush()
+    assert pub.flush(120.0)
     consumer = PlainConsumer(pub.endpoint, pub.replay_endpoint, b"")
     try:
         replayed = consumer.replay_dealer(4)
@@ -203,7 +203,7 @@ def test_replay_req_client_gets_vllm_frames(make_pub: PublisherFactory) -> None:
     pub = make_pub()
     pub.publish([AllBlocksCleared()])
     pub.publish([BlockRemoved([H1], "GPU")])
-    assert pub.flush()
+    assert pub.flush(120.0)
     consumer = PlainConsumer(pub.endpoint, pub.replay_endpoint, b"")
     try:
         first = consumer.replay_req_first(1)
@@ -221,7 +221,7 @@ def test_replay_req_client_gets_vllm_frames(make_pub: PublisherFactory) -> None:
 def test_legacy_replay_req_client_frames(make_pub: PublisherFactory) -> None:
     pub = make_pub(profile="legacy")
     pub.publish([BlockRemoved([H1], "GPU")])
-    assert pub.flush()
+    assert pub.flush(120.0)
     consumer = PlainConsumer(pub.endpoint, pub.replay_endpoint, b"")
     try:
         seq_bytes, payload = consumer.replay_req_first(0)
@@ -237,7 +237,7 @@ def test_vllm_replay_from_seq_dealer(make_pub: PublisherFactory) -> None:
     pub = make_pub(buffer_steps=100)
     for i in range(10):
         pub.publish([BlockRemoved([i.to_bytes(32, "big")], "CPU")])
-    assert pub.flush()
+    assert pub.flush(120.0)
     consumer = PlainConsumer(pub.endpoint, pub.replay_endpoint, b"")
     try:
         replayed = consumer.replay_dealer(4, TOPIC.encode())
@@ -256,7 +256,7 @@ def test_replay_buffer_keeps_only_the_last_buffer_steps(make_pub: PublisherFacto
     pub = make_pub(buffer_steps=5)
     for _ in range(12):
         pub.publish([AllBlocksCleared()])
-    assert pub.flush()
+    assert pub.flush(120.0)
     consumer = PlainConsumer(pub.endpoint, pub.replay_endpoint, b"")
     try:
         replayed = consumer.replay_dealer(0, TOPIC.encode())
@@ -276,7 +276,7 @@ def test_malformed_replay_request_still_gets_end_marker(make_pub: PublisherFacto
         assert dealer.recv_multipart() == [b"", PlainConsumer.END_SEQ, b""]
         # A bare DEALER request (no empty delimiter) is answered without one.
         pub.publish([AllBlocksCleared()])
-        assert pub.flush()
+        assert pub.flush(120.0)
         dealer.send((0).to_bytes(8, "big"))
         assert dealer.poll(5000)
         seq_bytes, payload = dealer.recv_multipart()

@@ -59,8 +59,6 @@ PROFILE_LEGACY: Final = "legacy"
 PROFILES: tuple[str, ...] = (PROFILE_VLLM, PROFILE_LEGACY)
 DEFAULT_PROFILE: Final = PROFILE_VLLM
 
-_HASH_MASK = (1 << 64) - 1
-
 # kvoffload medium -> (vLLM medium, vLLM locality). Media not listed pass
 # through unchanged with no locality.
 _VLLM_MEDIUM: dict[str, tuple[str, str | None]] = {
@@ -239,16 +237,20 @@ def vllm_int_hashes_from_env() -> bool:
 
 
 def vllm_block_hash(value: ExternalBlockHash, int_hashes: bool = True) -> ExternalBlockHash:
-    """A hash as vLLM 0.33 publishes it: the low 64 bits of the big-endian bytes."""
-    if int_hashes and isinstance(value, bytes):
-        return int.from_bytes(value, "big") & _HASH_MASK
+    """A hash as vLLM 0.33 publishes it: the low 64 bits of the big-endian bytes.
+
+    ``int.from_bytes(h, "big") & (2**64 - 1)`` is the int of ``h``'s last 8
+    bytes, which is cheaper to compute.
+    """
+    if int_hashes and value.__class__ is bytes:
+        return int.from_bytes(value[-8:], "big")  # type: ignore[index]
     return value
 
 
 def _vllm_hashes(values: list[ExternalBlockHash], int_hashes: bool) -> list[ExternalBlockHash]:
     if not int_hashes:
         return values
-    return [int.from_bytes(v, "big") & _HASH_MASK if isinstance(v, bytes) else v for v in values]
+    return [int.from_bytes(v[-8:], "big") if v.__class__ is bytes else v for v in values]  # type: ignore[index]
 
 
 def _vllm_place(medium: str | None, locality: str | None) -> tuple[str | None, str | None]:
@@ -258,37 +260,60 @@ def _vllm_place(medium: str | None, locality: str | None) -> tuple[str | None, s
     return name, locality if locality is not None else where
 
 
+# Per-event conversion runs on the socket thread for every event sent, so it
+# builds the common case positionally and sets vLLM's optional fields only
+# when the event has any.
+_STORED_EXTRAS = (
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "ownership",
+    "session_id",
+    "lookahead_token_ids",
+)
+
+
 def _to_vllm(event: KVEvent, int_hashes: bool) -> _VllmEvent:
-    if isinstance(event, BlockStored):
-        medium, locality = _vllm_place(event.medium, event.locality)
-        parent = event.parent_block_hash
-        return _VllmBlockStored(
-            block_hashes=_vllm_hashes(event.block_hashes, int_hashes),
-            parent_block_hash=None if parent is None else vllm_block_hash(parent, int_hashes),
-            token_ids=event.token_ids,
-            block_size=event.block_size,
-            lora_id=event.lora_id,
-            medium=medium,
-            lora_name=event.lora_name,
-            extra_keys=event.extra_keys,
-            group_idx=event.group_idx,
-            kv_cache_spec_kind=event.kv_cache_spec_kind,
-            kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
-            locality=locality,
-            ownership=event.ownership,
-            session_id=event.session_id,
-            lookahead_token_ids=event.lookahead_token_ids,
+    cls = event.__class__
+    if cls is BlockStored or isinstance(event, BlockStored):
+        stored: BlockStored = event  # type: ignore[assignment]
+        medium, locality = _vllm_place(stored.medium, stored.locality)
+        parent = stored.parent_block_hash
+        out = _VllmBlockStored(
+            _vllm_hashes(stored.block_hashes, int_hashes),
+            None if parent is None else vllm_block_hash(parent, int_hashes),
+            stored.token_ids,
+            stored.block_size,
+            stored.lora_id,
+            medium,
+            stored.lora_name,
         )
-    if isinstance(event, BlockRemoved):
-        medium, locality = _vllm_place(event.medium, event.locality)
+        if locality is not None:
+            out.locality = locality
+        if not (
+            stored.extra_keys is None
+            and stored.group_idx is None
+            and stored.kv_cache_spec_kind is None
+            and stored.kv_cache_spec_sliding_window is None
+            and stored.ownership is None
+            and stored.session_id is None
+            and stored.lookahead_token_ids is None
+        ):
+            for name in _STORED_EXTRAS:
+                setattr(out, name, getattr(stored, name))
+        return out
+    if cls is BlockRemoved or isinstance(event, BlockRemoved):
+        removed: BlockRemoved = event  # type: ignore[assignment]
+        medium, locality = _vllm_place(removed.medium, removed.locality)
         return _VllmBlockRemoved(
-            block_hashes=_vllm_hashes(event.block_hashes, int_hashes),
-            medium=medium,
-            group_idx=event.group_idx,
-            locality=locality,
-            ownership=event.ownership,
+            _vllm_hashes(removed.block_hashes, int_hashes),
+            medium,
+            removed.group_idx,
+            locality,
+            removed.ownership,
         )
-    if isinstance(event, AllBlocksCleared):
+    if cls is AllBlocksCleared or isinstance(event, AllBlocksCleared):
         return _VllmAllBlocksCleared()
     raise TypeError(f"not a KV event: {event!r}")
 
