@@ -9,7 +9,11 @@ slot is read before the same job overwrites it.
 
 A required step (a promotion) or the GPU <-> CPU copy failing fails the
 job; a best-effort step (a write-down) failing is counted and the job goes
-on. The GPU <-> CPU copy runs on a handler this one owns (its results are
+on. Failed write-downs are logged at WARNING once when a pair (CPU -> DISK,
+say) starts failing and once, with the count, when it works again: a full
+disk or a refusing server fails every write-down for as long as it lasts.
+
+The GPU <-> CPU copy runs on a handler this one owns (its results are
 not the worker's), so the copy path, CUDA streams included, is the CPU
 tier's own.
 """
@@ -84,6 +88,8 @@ class TieredTransferHandler(ThreadPoolTransferHandler):
         self._sub_lock = threading.Lock()
         self._sub_results: dict[int, TransferResult] = {}
         self._stats_lock = threading.Lock()
+        # Consecutive failed best-effort copies per (src, dst) pair.
+        self._failing: Counter[tuple[str, str]] = Counter()
 
     # -- validation ---------------------------------------------------------------
 
@@ -139,11 +145,25 @@ class TieredTransferHandler(ThreadPoolTransferHandler):
                     self.stats.best_effort_failures += 1
             if step.required:
                 raise
-            logger.debug("best-effort %s -> %s copy failed: %s", *pair, exc)
+            with self._stats_lock:
+                self._failing[pair] += 1
+                first = self._failing[pair] == 1
+            if first:
+                logger.warning(
+                    "best-effort %s -> %s copies are failing (%s); counted until they "
+                    "succeed again",
+                    *pair,
+                    exc,
+                )
             return 0
         with self._stats_lock:
             self.stats.blocks[pair] += len(step.src)  # type: ignore[arg-type]
             self.stats.bytes[pair] += n
+            failed = self._failing.pop(pair, 0)
+        if failed:
+            logger.warning(
+                "best-effort %s -> %s copies succeed again after %d failed", *pair, failed
+            )
         return n
 
     def _copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
@@ -185,3 +205,5 @@ class TieredTransferHandler(ThreadPoolTransferHandler):
     def close(self) -> None:
         super().close()
         self.cpu_gpu.close()
+        for pair, failed in self._failing.items():
+            logger.warning("best-effort %s -> %s copies: %d failed at close", *pair, failed)
