@@ -76,6 +76,7 @@ def _vllm_equivalent(events: list) -> list:
                     lora_id=e.lora_id,
                     medium=medium,
                     lora_name=e.lora_name,
+                    group_idx=0,
                     locality=locality,
                 )
             )
@@ -85,6 +86,7 @@ def _vllm_equivalent(events: list) -> list:
                 vk.BlockRemoved(
                     block_hashes=[maybe_convert_block_hash(h) for h in e.block_hashes],
                     medium=medium,
+                    group_idx=0,
                     locality=locality,
                 )
             )

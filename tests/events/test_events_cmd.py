@@ -74,8 +74,14 @@ def test_json_from_seq_replays_buffered_batches(make_pub: PublisherFactory) -> N
             "lora_id": None,
             "medium": "GPU",
             "lora_name": None,
+            "group_idx": 0,
         },
-        {"type": "BlockRemoved", "block_hashes": [vllm_block_hash(H)], "medium": "CPU"},
+        {
+            "type": "BlockRemoved",
+            "block_hashes": [vllm_block_hash(H)],
+            "medium": "CPU",
+            "group_idx": 0,
+        },
         {"type": "AllBlocksCleared"},
     ]
 

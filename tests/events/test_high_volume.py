@@ -126,6 +126,7 @@ def test_10k_batches_of_100_events(make_pub: PublisherFactory) -> None:
             "type": "BlockRemoved",
             "block_hashes": [seq - first],
             "medium": "GPU",
+            "group_idx": 0,
         }
         assert events[0]["type"] == "BlockStored"
     for seq, payload in by_seq.items():

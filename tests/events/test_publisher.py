@@ -77,7 +77,7 @@ def test_shutdown_flushes_everything_accepted(make_pub: PublisherFactory) -> Non
                 break
         assert seqs == list(range(first, first + 500))
         assert msgpack.unpackb(payload)[1] == [
-            {"type": "BlockRemoved", "block_hashes": [499], "medium": "CPU"}
+            {"type": "BlockRemoved", "block_hashes": [499], "medium": "CPU", "group_idx": 0}
         ]
     finally:
         sub.close(linger=0)

@@ -54,7 +54,9 @@ def test_start_seq_catches_up_then_follows_live(make_pub: PublisherFactory) -> N
     with KVEventSubscriber(pub.endpoint, pub.replay_endpoint, TOPIC, start_seq=0) as sub:
         first = sub.recv(5.0)
         assert [(r.seq, r.replayed) for r in first] == [(i, True) for i in range(5)]
-        assert first[3].batch.events == [BlockRemoved([vllm_block_hash(bytes([3]) * 32)], "GPU")]
+        assert first[3].batch.events == [
+            BlockRemoved([vllm_block_hash(bytes([3]) * 32)], "GPU", group_idx=0)
+        ]
         # Probes published before the subscription took hold are missed live
         # and replayed: either way each seq is handed out once, in order.
         wait_subscribed(pub, received_any)

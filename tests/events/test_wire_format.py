@@ -212,7 +212,7 @@ def test_replay_req_client_gets_vllm_frames(make_pub: PublisherFactory) -> None:
         consumer.close()
     assert first[:2] == [TOPIC.encode(), (1).to_bytes(8, "big")]
     assert msgpack.unpackb(first[2])[1] == [
-        {"type": "BlockRemoved", "block_hashes": [_int(H1)], "medium": "GPU"}
+        {"type": "BlockRemoved", "block_hashes": [_int(H1)], "medium": "GPU", "group_idx": 0}
     ]
     # Nothing from 99 on: just the end marker, an empty topic, seq -1, no payload.
     assert end == [b"", PlainConsumer.END_SEQ, b""]
@@ -248,7 +248,9 @@ def test_vllm_replay_from_seq_dealer(make_pub: PublisherFactory) -> None:
     for seq, payload in replayed:
         _, events, rank = msgpack.unpackb(payload)
         assert rank == 0
-        assert events == [{"type": "BlockRemoved", "block_hashes": [seq], "medium": "CPU"}]
+        assert events == [
+            {"type": "BlockRemoved", "block_hashes": [seq], "medium": "CPU", "group_idx": 0}
+        ]
     assert beyond == []
 
 
@@ -327,6 +329,7 @@ def test_vllm_profile_tagged_maps_every_field_int_hashes(make_pub: PublisherFact
             "lora_id": None,
             "medium": "GPU",
             "lora_name": None,
+            "group_idx": 0,
         },
         {
             **stored,
@@ -334,6 +337,7 @@ def test_vllm_profile_tagged_maps_every_field_int_hashes(make_pub: PublisherFact
             "lora_id": 7,
             "medium": "CPU",
             "lora_name": "adapter-a",
+            "group_idx": 0,
         },
         {
             **stored,
@@ -341,15 +345,17 @@ def test_vllm_profile_tagged_maps_every_field_int_hashes(make_pub: PublisherFact
             "lora_id": None,
             "medium": "STORAGE",
             "lora_name": None,
+            "group_idx": 0,
             "locality": "LOCAL",
         },
         {
             "type": "BlockRemoved",
             "block_hashes": [_int(H1)],
             "medium": "STORAGE",
+            "group_idx": 0,
             "locality": "REMOTE",
         },
-        {"type": "BlockRemoved", "block_hashes": [_int(H2)], "medium": None},
+        {"type": "BlockRemoved", "block_hashes": [_int(H2)], "medium": None, "group_idx": 0},
         {"type": "AllBlocksCleared"},
     ]
 
@@ -360,7 +366,7 @@ def test_vllm_profile_rank_defaults_to_zero_and_env_turns_off_int_hashes(
     batch = KVEventBatch(ts=1.0, events=[BlockRemoved([H1], "GPU")])
     assert msgpack.unpackb(encode_batch(batch)) == [
         1.0,
-        [{"type": "BlockRemoved", "block_hashes": [_int(H1)], "medium": "GPU"}],
+        [{"type": "BlockRemoved", "block_hashes": [_int(H1)], "medium": "GPU", "group_idx": 0}],
         0,
     ]
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")

@@ -1,4 +1,5 @@
-"""KV events: types, wire format, and the ZMQ publisher/subscriber.
+"""KV events: types, the two wire profiles ("vllm", the default, and "legacy"),
+and the ZMQ publisher/subscriber.
 
 The publisher and subscriber names load lazily, so that importing the event
 types (as the block pool does) does not import ZMQ.
@@ -8,10 +9,17 @@ import importlib
 from typing import TYPE_CHECKING
 
 from kvoffload.events.types import (
+    DEFAULT_PROFILE,
+    LOCALITY_LOCAL,
+    LOCALITY_REMOTE,
     MEDIUM_CPU,
     MEDIUM_DISK,
     MEDIUM_GPU,
     MEDIUM_REMOTE,
+    MEDIUM_STORAGE,
+    PROFILE_LEGACY,
+    PROFILE_VLLM,
+    PROFILES,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -20,8 +28,12 @@ from kvoffload.events.types import (
     KVCacheEvent,
     KVEvent,
     KVEventBatch,
+    check_profile,
     decode_batch,
+    decode_batch_profile,
     encode_batch,
+    kvoffload_medium,
+    vllm_block_hash,
 )
 
 if TYPE_CHECKING:
@@ -62,11 +74,18 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "DEFAULT_PROFILE",
     "END_SEQ",
+    "LOCALITY_LOCAL",
+    "LOCALITY_REMOTE",
     "MEDIUM_CPU",
     "MEDIUM_DISK",
     "MEDIUM_GPU",
     "MEDIUM_REMOTE",
+    "MEDIUM_STORAGE",
+    "PROFILES",
+    "PROFILE_LEGACY",
+    "PROFILE_VLLM",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -83,7 +102,11 @@ __all__ = [
     "ReceivedBatch",
     "SubscriberStats",
     "ZmqEventPublisher",
+    "check_profile",
     "decode_batch",
+    "decode_batch_profile",
     "encode_batch",
+    "kvoffload_medium",
     "make_publisher",
+    "vllm_block_hash",
 ]

@@ -18,6 +18,9 @@ encodes them.
 * block hashes are integers, ``int.from_bytes(hash, "big") & (2**64 - 1)``
   (vLLM's ``maybe_convert_block_hash``), unless the environment sets
   ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``, as vLLM honours it too;
+* ``group_idx`` is always sent on block events (0, kvoffload's one KV cache
+  group, unless the event names another), as vLLM's block pool and offloading
+  connector send it;
 * media are vLLM's names: "GPU", "CPU" and "STORAGE"; kvoffload's disk tier
   is ``medium="STORAGE", locality="LOCAL"`` and its shared remote tier
   ``medium="STORAGE", locality="REMOTE"`` (vLLM's ``Locality``).
@@ -58,6 +61,9 @@ PROFILE_VLLM: Final = "vllm"
 PROFILE_LEGACY: Final = "legacy"
 PROFILES: tuple[str, ...] = (PROFILE_VLLM, PROFILE_LEGACY)
 DEFAULT_PROFILE: Final = PROFILE_VLLM
+#: The KV cache group of events that name none: kvoffload has one group, and
+#: vLLM 0.33 always sends ``group_idx`` on its block events.
+DEFAULT_GROUP_IDX = 0
 
 # kvoffload medium -> (vLLM medium, vLLM locality). Media not listed pass
 # through unchanged with no locality.
@@ -264,8 +270,6 @@ def _vllm_place(medium: str | None, locality: str | None) -> tuple[str | None, s
 # builds the common case positionally and sets vLLM's optional fields only
 # when the event has any.
 _STORED_EXTRAS = (
-    "extra_keys",
-    "group_idx",
     "kv_cache_spec_kind",
     "kv_cache_spec_sliding_window",
     "ownership",
@@ -280,6 +284,7 @@ def _to_vllm(event: KVEvent, int_hashes: bool) -> _VllmEvent:
         stored: BlockStored = event  # type: ignore[assignment]
         medium, locality = _vllm_place(stored.medium, stored.locality)
         parent = stored.parent_block_hash
+        group = stored.group_idx
         out = _VllmBlockStored(
             _vllm_hashes(stored.block_hashes, int_hashes),
             None if parent is None else vllm_block_hash(parent, int_hashes),
@@ -288,13 +293,13 @@ def _to_vllm(event: KVEvent, int_hashes: bool) -> _VllmEvent:
             stored.lora_id,
             medium,
             stored.lora_name,
+            stored.extra_keys,
+            DEFAULT_GROUP_IDX if group is None else group,
         )
         if locality is not None:
             out.locality = locality
         if not (
-            stored.extra_keys is None
-            and stored.group_idx is None
-            and stored.kv_cache_spec_kind is None
+            stored.kv_cache_spec_kind is None
             and stored.kv_cache_spec_sliding_window is None
             and stored.ownership is None
             and stored.session_id is None
@@ -306,10 +311,11 @@ def _to_vllm(event: KVEvent, int_hashes: bool) -> _VllmEvent:
     if cls is BlockRemoved or isinstance(event, BlockRemoved):
         removed: BlockRemoved = event  # type: ignore[assignment]
         medium, locality = _vllm_place(removed.medium, removed.locality)
+        group = removed.group_idx
         return _VllmBlockRemoved(
             _vllm_hashes(removed.block_hashes, int_hashes),
             medium,
-            removed.group_idx,
+            DEFAULT_GROUP_IDX if group is None else group,
             locality,
             removed.ownership,
         )
