@@ -1,104 +1,150 @@
-"""``kvoffload bench offload``: replay, Belady's bound, report and CLI."""
+"""``kvoffload bench offload``: replay, Belady's bound, the ceiling, report and CLI."""
 
 import json
+from pathlib import Path
 
 import pytest
 
-from kvoffload.bench.offload import belady_hit_rate, bench, build_trace, replay
-from kvoffload.bench.workload import WorkloadConfig
+from kvoffload.bench import offload_vllm
+from kvoffload.bench.mooncake import MooncakeRequest
+from kvoffload.bench.offload import (
+    belady_hit_rate,
+    bench,
+    ceiling_hit_rate,
+    parse_capacity,
+    replay,
+)
+from kvoffload.bench.traces import KINDS, generate, load_trace, save_trace, trace_keys
 from kvoffload.cli.main import main
 from kvoffload.offload import DEFAULT_CACHE_POLICY, make_offload_key, policy_names
-
-TINY = WorkloadConfig(
-    num_requests=150, num_conversations=15, system_prompt_tokens=64, max_context_tokens=1200, seed=1
-)
 
 
 def k(c: str) -> bytes:
     return make_offload_key(c.encode() * 8)
 
 
+def ids_trace(*requests: list[int]) -> list[list[bytes]]:
+    return trace_keys([MooncakeRequest(float(i), 0, 0, r) for i, r in enumerate(requests)])
+
+
 def test_belady_on_a_hand_made_trace() -> None:
     a, b = k("a"), k("b")
-    trace = [([a], [a]), ([b], [b]), ([a], [a])]
+    trace = [[a], [b], [a]]
     # capacity 1: b is needed never again, so MIN bypasses it and a hits.
     assert belady_hit_rate(trace, 1) == pytest.approx(1 / 3)
     assert replay(trace, "lru", 1).hit_rate == 0.0
     assert replay(trace, "lru", 2).hit_rate == pytest.approx(1 / 3)
 
 
-def test_belady_counts_only_prompt_blocks() -> None:
-    a, out = k("a"), k("o")
-    trace = [([a], [a, out]), ([a, out], [a, out])]
-    assert belady_hit_rate(trace, 2) == pytest.approx(2 / 3)
+def test_ceiling_misses_only_first_uses() -> None:
+    trace = ids_trace([1, 2, 3], [1, 2, 4], [1, 5])
+    assert ceiling_hit_rate(trace) == pytest.approx(3 / 8)
+    assert replay(trace, "lru", 100).hit_rate == pytest.approx(3 / 8)
+    assert belady_hit_rate(trace, 100) == pytest.approx(3 / 8)
 
 
-def test_belady_bounds_every_policy() -> None:
-    trace = build_trace(TINY, 16)
-    for cap in (96, 384):  # above the longest request (75 blocks): no store refused
+@pytest.mark.parametrize("kind", KINDS)
+def test_belady_bounds_every_policy_and_the_ceiling_bounds_belady(kind: str) -> None:
+    trace = trace_keys(generate(kind, 150, seed=3))
+    ceiling = ceiling_hit_rate(trace)
+    longest = max(len(t) for t in trace)
+    for cap in (longest, 2 * longest):  # a store always fits: none refused
         bound = belady_hit_rate(trace, cap)
+        assert bound <= ceiling + 1e-12
         for p in policy_names():
             r = replay(trace, p, cap)
-            assert 0 < r.hit_rate <= bound <= 1
+            assert r.hit_rate <= bound + 1e-12, (p, cap)
             assert r.block_ops > 0 and r.stores_refused == 0
 
 
-def test_unlimited_capacity_misses_only_first_uses() -> None:
-    trace = build_trace(TINY, 16)
-    seen: set[bytes] = set()
-    compulsory = 0
-    for prompt, full in trace:
-        compulsory += sum(1 for key in prompt if key not in seen)
-        seen.update(full)
-    total = sum(len(p) for p, _ in trace)
-    expected = 1 - compulsory / total
-    assert replay(trace, "arc", 10**6).hit_rate == pytest.approx(expected)
-    assert belady_hit_rate(trace, 10**6) == pytest.approx(expected)
+def test_generators_are_seeded_and_chain_shaped() -> None:
+    a, b = generate("mixed", 200, seed=7), generate("mixed", 200, seed=7)
+    assert a == b and a != generate("mixed", 200, seed=8)
+    seen: dict[int, tuple[int, ...]] = {}
+    for r in a:
+        for i, h in enumerate(r.hash_ids):  # an id always has the same prefix before it
+            assert seen.setdefault(h, tuple(r.hash_ids[:i])) == tuple(r.hash_ids[:i])
+    with pytest.raises(ValueError, match="known"):
+        generate("nope", 10)
 
 
-def test_report_shape() -> None:
-    report = bench(TINY, 16, [32, 128], ["lru", "arc"])
-    assert set(report["capacities"]) == {"32", "128"}  # type: ignore[arg-type]
+def test_trace_round_trip(tmp_path: Path) -> None:
+    reqs = generate("rag", 30, seed=1)
+    save_trace(reqs, tmp_path / "t.jsonl")
+    assert load_trace(tmp_path / "t.jsonl") == reqs
+
+
+@pytest.mark.parametrize("policy", sorted({"arc_admit", "lru_admit", DEFAULT_CACHE_POLICY}))
+def test_admission_beats_lru_on_a_scan_heavy_trace(policy: str) -> None:
+    # A hot prefix read again and again, with two one-off scans in between
+    # (40 blocks: more than the tier) that flush LRU; second-sighting admission
+    # keeps the scans in the slots of earlier scans, out of the hot prefix's way.
+    reqs = []
+    scan = 1000
+    for _ in range(60):
+        reqs.append(list(range(10)))
+        for _ in range(2):
+            reqs.append([scan + j for j in range(20)])
+            scan += 20
+    trace = ids_trace(*reqs)
+    lru = replay(trace, "lru", 32).hit_rate
+    ours = replay(trace, policy, 32).hit_rate
+    assert lru < 0.05
+    assert ours > lru + 0.15
+    assert ours <= belady_hit_rate(trace, 32)
+
+
+def test_parse_capacity() -> None:
+    assert parse_capacity("10%", 1000) == 100
+    assert parse_capacity("0.01%", 1000) == 1
+    assert parse_capacity("64", 1000) == 64
+    for bad in ("0", "-3", "x", "0%", "%"):
+        with pytest.raises(ValueError):
+            parse_capacity(bad, 1000)
+
+
+def test_report_shape_and_summary() -> None:
+    trace = trace_keys(generate("chat", 200, seed=2))
+    report = bench(trace, ["5%", "64"], ["lru", "arc", DEFAULT_CACHE_POLICY], with_vllm=False)
+    assert set(report["capacities"]) == {"5%", "64"}  # type: ignore[arg-type]
     rows = report["results"]
-    assert len(rows) == 4  # type: ignore[arg-type]
+    assert len(rows) == 6  # type: ignore[arg-type]
     for row in rows:  # type: ignore[union-attr]
-        assert {"policy", "capacity", "hit_rate", "ops_per_s", "belady_hit_rate", "vs_lru"} <= set(
-            row
-        )
+        assert {"policy", "capacity", "hit_rate", "ops_per_s", "label"} <= set(row)
+    for s in report["capacities"].values():  # type: ignore[union-attr]
+        assert s["best_hit_rate"] <= s["belady_hit_rate"] <= report["ceiling_hit_rate"]
+    assert "not requested" in report["vllm"]  # type: ignore[operator]
     json.dumps(report)
 
 
-def test_default_policy_is_the_best_at_both_default_capacities() -> None:
-    report = bench(WorkloadConfig(), 16, [2048, 8192], policy_names())
-    for summary in report["capacities"].values():  # type: ignore[union-attr]
-        assert summary["best_policy"] == DEFAULT_CACHE_POLICY
-        assert summary["best_hit_rate"] >= summary["lru_hit_rate"]
-        assert summary["best_hit_rate"] <= summary["belady_hit_rate"]
+def test_unknown_policy() -> None:
+    with pytest.raises(ValueError, match="known"):
+        bench(ids_trace([1]), ["1"], ["lfu"], with_vllm=False)
 
 
-def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["bench", "offload", "--requests", "80", "--conversations", "10"]
-    assert main([*args, "--capacities", "32,64", "--policies", "lru,sieve", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["requests"] == 80 and len(out["results"]) == 4
-
-
-def test_cli_table(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["bench", "offload", "--requests", "60", "--conversations", "10", "--capacities", "64"]
+def test_cli_json_and_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "trace.jsonl"
+    save_trace(generate("mixed", 120, seed=5), path)
+    args = ["bench", "offload", "--trace", str(path), "--capacity", "2%", "50"]
+    args += ["--policies", "lru,arc_admit", "--no-vllm", "--json", "--out", str(tmp_path / "o")]
     assert main(args) == 0
-    text = capsys.readouterr().out
-    assert "MIN" in text and "lru" in text and "default policy" in text
+    report = json.loads(capsys.readouterr().out)
+    assert report["trace"] == str(path) and len(report["results"]) == 4
+    assert (tmp_path / "o" / "plot.png").stat().st_size > 0
+    assert "Belady MIN" in (tmp_path / "o" / "table.md").read_text()
 
 
-@pytest.mark.parametrize(
-    ("extra", "message"),
-    [
-        (["--capacities", "0"], "capacities must be positive"),
-        (["--policies", "nope"], "unknown cache policy"),
-        (["--block-size", "0"], "block-size"),
-        (["--requests", "0"], "num_requests"),
-    ],
-)
-def test_cli_bad_values(capsys: pytest.CaptureFixture[str], extra: list[str], message: str) -> None:
-    assert main(["bench", "offload", *extra]) == 2
-    assert message in capsys.readouterr().err
+def test_cli_table_marks_the_default(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "offload", "--generate", "rag", "--requests", "80", "--capacity", "5%"]
+    assert main([*args, "--no-vllm", "--policies", f"lru,{DEFAULT_CACHE_POLICY}"]) == 0
+    out = capsys.readouterr().out
+    assert "Belady" in out and "ceiling" in out and "(default)" in out
+
+
+def test_vllm_rows_show_unavailable_without_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(offload_vllm, "unavailable", lambda: "vLLM unavailable (test)")
+    report = bench(ids_trace([1, 2], [1, 2]), ["2"], ["lru"])
+    assert report["vllm"] == "vLLM unavailable (test)"
+    assert [r["policy"] for r in report["results"]] == ["lru"]  # type: ignore[union-attr]

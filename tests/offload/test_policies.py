@@ -18,6 +18,7 @@ from kvoffload.offload.policies import (
     policy_names,
     register_policy,
 )
+from kvoffload.offload.policies.admission import AdmitARCPolicy, AdmitLRUPolicy, SecondSightPolicy
 from tests.offload.keyutil import key, keys
 
 
@@ -27,9 +28,8 @@ def one_by_one(policy: CachePolicy, *ids: int) -> None:
 
 
 def test_registry_knows_every_policy() -> None:
-    assert {"lru", "lru_flat", "chain_lru", "arc", "s3fifo", "sieve", "arc_admit", "lru_admit"} <= set(
-        policy_names()
-    )
+    names = {"lru", "lru_flat", "chain_lru", "arc", "s3fifo", "sieve", "arc_admit", "lru_admit"}
+    assert names <= set(policy_names())
     assert isinstance(make_policy("arc", 4), ARCPolicy)
     with pytest.raises(ValueError, match="known: arc, arc_admit, chain_lru"):
         make_policy("lfu", 4)
@@ -270,3 +270,151 @@ class PolicyMachine(RuleBasedStateMachine):
 
 TestPolicyMachine = PolicyMachine.TestCase
 TestPolicyMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+# -- second-sighting admission (arc_admit, lru_admit) -------------------------
+
+
+def store(policy: CachePolicy, ids: list[int], resident: set[bytes] | None = None) -> list[bytes]:
+    """One store of ``ids`` as the manager makes it; the victims."""
+    new = [key(i) for i in ids if key(i) not in policy]
+    need = max(0, len(new) - (policy.capacity - len(policy)))
+    victims = policy.evict(need, new)
+    policy.insert(new)
+    return victims
+
+
+@pytest.mark.parametrize("cls", [AdmitARCPolicy, AdmitLRUPolicy])
+def test_first_sighting_is_evicted_before_admitted_keys(cls: type[SecondSightPolicy]) -> None:
+    p = cls(4)
+    store(p, [1, 2])  # first sighting: rejects
+    assert list(p.rejects) == keys(2, 1)  # tail first: the head is evicted last
+    assert store(p, [3, 4, 5]) == keys(2)
+    store(p, [9])  # evicts a reject, 1 then 3...
+    # 1 comes back: the history remembers it, so it is admitted to the inner policy.
+    store(p, [1])
+    assert key(1) in p.inner and key(1) not in p.rejects
+    assert p.target == 1.0  # 1 left the rejects too early: they may keep one more key
+    store(p, [6, 7])
+    assert key(1) in p  # the rejects beyond their share went first
+
+
+@pytest.mark.parametrize("cls", [AdmitARCPolicy, AdmitLRUPolicy])
+def test_a_reject_read_again_is_promoted(cls: type[SecondSightPolicy]) -> None:
+    p = cls(8)
+    store(p, [1, 2, 3])
+    p.access(keys(2))
+    assert key(2) in p.inner and key(2) not in p.rejects
+    p.pin(keys(3))
+    assert key(3) in p.inner and p.num_evictable() == 2
+    p.unpin(keys(3))
+    assert p.num_evictable() == 3
+
+
+def test_ghost_hits_move_the_reject_share() -> None:
+    p = AdmitLRUPolicy(2)
+    store(p, [1, 2])
+    store(p, [3, 4])  # 1, 2 leave the rejects: remembered in their ghost
+    assert set(p.ghost_rejects) == set(keys(1, 2))
+    store(p, [1])
+    assert p.target >= 1.0  # the rejects were too short-lived for 1
+    assert key(1) in p.inner
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_clear_forgets_everything(name: str) -> None:
+    p = make_policy(name, 4)
+    store(p, [1, 2, 3])
+    p.access(keys(1))
+    p.clear()
+    assert len(p) == 0 and p.num_evictable() == 0 and key(1) not in p
+    store(p, [1, 2, 3, 4])
+    assert len(p) == 4 and len(store(p, [5])) == 1
+
+
+class SmallHistory(AdmitARCPolicy):
+    name = "arc_admit_small_history"
+    min_history = 6
+    history_factor = 1
+
+
+class AdmissionMachine(RuleBasedStateMachine):
+    """arc_admit against a reference model of its contract.
+
+    The model: a set of resident keys of at most ``capacity``, a set of pinned
+    ones; a store of new keys gets exactly the slots it lacks, its victims are
+    resident and unpinned, rejects first (oldest first), and only rejects
+    while more rejects than their target share are left. Rejects are never
+    pinned; the inner policy and the rejects hold the resident keys between
+    them, disjointly; ghosts and history stay within their bounds.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy = SmallHistory(CAPACITY)
+        self.resident: set[bytes] = set()
+        self.pinned: set[bytes] = set()
+
+    @rule(ids=st.lists(st.integers(0, 15), min_size=1, max_size=4, unique=True))
+    def store(self, ids: list[int]) -> None:
+        p = self.policy
+        new = [key(i) for i in ids if key(i) not in self.resident]
+        need = max(0, len(new) - (CAPACITY - len(self.resident)))
+        if need > len(self.resident - self.pinned):
+            return
+        rejects_before = list(p.rejects)
+        victims = p.evict(need, new)
+        assert len(victims) == need == len(set(victims))
+        for v in victims:
+            assert v in self.resident and v not in self.pinned
+        # Rejects go first, oldest first; then the inner policy's victims.
+        taken = [v for v in victims if v in rejects_before]
+        assert victims[: len(taken)] == taken == rejects_before[: len(taken)]
+        if len(p.rejects) > p.target:  # rejects beyond their share left first
+            assert len(taken) == need
+        self.resident.difference_update(victims)
+        p.insert(new)
+        self.resident.update(new)
+
+    @rule(ids=st.lists(st.integers(0, 15), max_size=4, unique=True))
+    def access(self, ids: list[int]) -> None:
+        self.policy.access([key(i) for i in ids if key(i) in self.resident])
+
+    @rule(ids=st.lists(st.integers(0, 15), max_size=3, unique=True))
+    def pin(self, ids: list[int]) -> None:
+        ks = [key(i) for i in ids if key(i) in self.resident and key(i) not in self.pinned]
+        self.policy.pin(ks)
+        self.pinned.update(ks)
+
+    @precondition(lambda self: self.pinned)
+    @rule(data=st.data())
+    def unpin(self, data: st.DataObject) -> None:
+        ks = data.draw(st.lists(st.sampled_from(sorted(self.pinned)), unique=True, min_size=1))
+        self.policy.unpin(ks)
+        self.pinned.difference_update(ks)
+
+    @precondition(lambda self: not self.pinned)
+    @rule()
+    def clear(self) -> None:
+        self.policy.clear()
+        self.resident.clear()
+
+    @invariant()
+    def model_agrees(self) -> None:
+        p = self.policy
+        assert len(p) == len(self.resident) <= CAPACITY
+        assert p.num_evictable() == len(self.resident - self.pinned)
+        for i in range(16):
+            assert (key(i) in p) == (key(i) in self.resident)
+        rejects = set(p.rejects)
+        assert not rejects & self.pinned
+        assert rejects.isdisjoint(k for k in self.resident if k in p.inner)
+        assert rejects | {k for k in self.resident if k in p.inner} == self.resident
+        assert 0 <= p.target <= CAPACITY
+        assert len(p.ghost_rejects) <= CAPACITY and len(p.ghost_inner) <= CAPACITY
+        assert len(p.history) <= 6
+        assert not (set(p.ghost_rejects) | set(p.ghost_inner)) & self.resident
+
+
+TestAdmissionMachine = AdmissionMachine.TestCase
+TestAdmissionMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -1,21 +1,21 @@
-"""``kvoffload bench offload``: the CPU tier's cache policies on a multi-turn chat trace.
+"""``kvoffload bench offload``: CPU-tier cache policies replayed on a Mooncake trace.
 
-The seeded trace of ``kvoffload.bench.workload`` (shared system prompts,
-Zipf-popular conversations that grow each turn) is hashed into chained block
-keys once, then replayed through a ``CPUOffloadingManager`` per policy and
-capacity, as the connector drives it with nothing else in the way (no GPU
-tier): per request ``lookup`` of the prompt's blocks, ``prepare_load`` /
-``complete_load`` of the hit prefix, and ``prepare_store`` /
-``complete_store`` of the rest of the prompt and the reply's blocks (what an
-eager offloader stores), touching the blocks that were already there.
+Each request is replayed as a connector drives the tier, with nothing else in
+the way (no GPU tier): ``lookup`` of its blocks (the leading stored ones are
+its hits), ``prepare_load`` / ``complete_load`` of the hits, then
+``prepare_store`` of the rest and ``complete_store`` of what the tier took,
+and ``touch`` of those of the rest that were already stored. kvoffload's
+policies run through ``CPUOffloadingManager``; vLLM's own ``lru`` and ``arc``
+(and ``lru`` with ``store_threshold=2``, vLLM's admission filter) run through
+vLLM's ``CPUOffloadingManager`` in the same process, driven the same way
+(``kvoffload.bench.offload_vllm``).
 
-Figures per policy and capacity: block-ops/s (keys handled by manager calls
-per second of replay; a lookup counts the keys it examined), block hit rate
-(prefix-hit prompt blocks over prompt blocks), and beside them LRU's and
-Belady's. Belady is the offline
-optimum MIN with bypass on the same block access sequence and capacity; it
-counts any resident block as a hit, so it bounds every policy's prefix hit
-rate from above.
+Figures per policy and capacity: block hit rate (hit blocks over all blocks
+of all requests) and block-ops/s (keys handed to manager calls per second;
+the same count for every manager). Beside them: Belady's MIN (offline optimum
+with bypass over the same block sequence; it counts any resident block as a
+hit, so it bounds every policy's prefix hit rate) and the ceiling (an
+infinite tier: every block but first uses hits).
 """
 
 from __future__ import annotations
@@ -27,20 +27,21 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from kvoffload.bench.workload import TraceHasher, WorkloadConfig, generate_trace
-from kvoffload.offload import CPUOffloadingManager, OffloadKey, make_offload_key, policy_names
+from kvoffload.bench import offload_vllm
+from kvoffload.bench.traces import KINDS, generate, load_trace, trace_keys
+from kvoffload.cli import argtypes
+from kvoffload.offload import CPUOffloadingManager, OffloadKey, policy_names
 from kvoffload.offload.cpu_manager import DEFAULT_CACHE_POLICY
 
-# One request of the replay: (prompt keys, prompt + reply keys); the first is a prefix.
-TraceKeys = tuple[list[OffloadKey], list[OffloadKey]]
+Trace = Sequence[Sequence[OffloadKey]]
+VLLM_ROWS = ("vllm:lru", "vllm:arc", "vllm:lru+store_threshold=2")
 
 
 @dataclass
 class ReplayResult:
     policy: str
     capacity: int
-    requests: int
-    prompt_blocks: int
+    blocks: int
     hit_blocks: int
     block_ops: int
     seconds: float
@@ -48,43 +49,32 @@ class ReplayResult:
 
     @property
     def hit_rate(self) -> float:
-        return self.hit_blocks / self.prompt_blocks if self.prompt_blocks else 0.0
+        return self.hit_blocks / self.blocks if self.blocks else 0.0
 
     @property
     def ops_per_s(self) -> float:
         return self.block_ops / self.seconds if self.seconds > 0 else 0.0
 
 
-def build_trace(config: WorkloadConfig, block_size: int) -> list[TraceKeys]:
-    """The workload's requests as offload keys (group 0)."""
-    hasher = TraceHasher(block_size)
-    out: list[TraceKeys] = []
-    for req in generate_trace(config):
-        prompt, full = hasher.hashes(req)
-        keys = [make_offload_key(h) for h in full]
-        out.append((keys[: len(prompt)], keys))
-    return out
-
-
-def replay(trace: Sequence[TraceKeys], policy: str, capacity: int) -> ReplayResult:
-    """Drive a fresh manager through ``trace``; see the module docstring."""
+def replay(trace: Trace, policy: str, capacity: int) -> ReplayResult:
+    """Drive a fresh kvoffload manager through ``trace``; see the module docstring."""
     m = CPUOffloadingManager(capacity, cache_policy=policy)
     lookup, prepare_load, complete_load = m.lookup, m.prepare_load, m.complete_load
     prepare_store, complete_store, touch = m.prepare_store, m.complete_store, m.touch
-    hits = ops = prompt_blocks = refused = 0
+    hits = ops = blocks = refused = 0
     start = time.perf_counter()
-    for prompt, full in trace:
-        n = len(prompt)
-        prompt_blocks += n
-        hit = lookup(prompt)
+    for keys in trace:
+        n = len(keys)
+        blocks += n
+        hit = lookup(keys)
         ops += min(hit + 1, n)
         if hit:
-            loaded = prompt[:hit]
+            loaded = keys[:hit]
             prepare_load(loaded)
             complete_load(loaded)
             hits += hit
             ops += 2 * hit
-        rest = full[hit:]
+        rest = keys[hit:]
         if not rest:
             continue
         out = prepare_store(rest)
@@ -94,30 +84,34 @@ def replay(trace: Sequence[TraceKeys], policy: str, capacity: int) -> ReplayResu
             continue
         stored = out.keys_to_store
         if len(stored) < len(rest):
-            touch(rest)  # the connector touches the blocks that were already there
+            touch(rest)
             ops += len(rest)
         if stored:
             complete_store(stored)
             ops += len(stored)
     seconds = time.perf_counter() - start
-    return ReplayResult(policy, capacity, len(trace), prompt_blocks, hits, ops, seconds, refused)
+    return ReplayResult(policy, capacity, blocks, hits, ops, seconds, refused)
 
 
-def belady_hit_rate(trace: Sequence[TraceKeys], capacity: int) -> float:
-    """Hit rate of MIN with bypass over the trace's block accesses (prompt blocks counted).
+def ceiling_hit_rate(trace: Trace) -> float:
+    """An infinite tier's hit rate: every block hits but its first use."""
+    seen: set[OffloadKey] = set()
+    total = 0
+    for keys in trace:
+        total += len(keys)
+        seen.update(keys)
+    return 1 - len(seen) / total if total else 0.0
 
-    Each request reads its prompt + reply blocks in order; a miss is admitted
-    only if its next use comes before that of the resident block used
-    farthest in the future (which is then evicted).
+
+def belady_hit_rate(trace: Trace, capacity: int) -> float:
+    """Hit rate of MIN with bypass over the trace's block accesses; O(n log n).
+
+    A miss is admitted only if its next use comes before that of the resident
+    block used farthest in the future (which is then evicted); a block never
+    used again is not kept. Stale heap entries are skipped lazily.
     """
     ids: dict[OffloadKey, int] = {}
-    seq: list[int] = []
-    counted: list[bool] = []
-    for prompt, full in trace:
-        n = len(prompt)
-        for i, key in enumerate(full):
-            seq.append(ids.setdefault(key, len(ids)))
-            counted.append(i < n)
+    seq = [ids.setdefault(k, len(ids)) for keys in trace for k in keys]
     never = len(seq)
     next_use = [never] * len(seq)
     last: dict[int, int] = {}
@@ -126,15 +120,12 @@ def belady_hit_rate(trace: Sequence[TraceKeys], capacity: int) -> float:
         next_use[t] = last.get(k, never)
         last[k] = t
     resident: dict[int, int] = {}  # key -> its next use
-    heap: list[tuple[int, int]] = []  # (-next use, key), stale entries skipped lazily
-    hits = total = 0
+    heap: list[tuple[int, int]] = []  # (-next use, key)
+    hits = 0
     for t, k in enumerate(seq):
         nu = next_use[t]
-        if counted[t]:
-            total += 1
         if k in resident:
-            if counted[t]:
-                hits += 1
+            hits += 1
         elif len(resident) >= capacity:
             while True:
                 neg, v = heap[0]
@@ -146,161 +137,184 @@ def belady_hit_rate(trace: Sequence[TraceKeys], capacity: int) -> float:
             heapq.heappop(heap)
             del resident[v]
         if nu == never:
-            resident.pop(k, None)  # never used again: free its room now
+            resident.pop(k, None)
             continue
         resident[k] = nu
         heapq.heappush(heap, (-nu, k))
-    return hits / total if total else 0.0
+    return hits / len(seq) if seq else 0.0
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    wl = WorkloadConfig()
-    parser.add_argument("--requests", type=int, default=wl.num_requests, help="turns in the trace")
-    parser.add_argument(
-        "--conversations", type=int, default=wl.num_conversations, help="conversation slots"
-    )
-    parser.add_argument("--system-prompts", type=int, default=wl.num_system_prompts)
-    parser.add_argument("--zipf", type=float, default=wl.zipf_s, help="popularity skew s")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
-    parser.add_argument(
-        "--capacities",
-        type=str,
-        default="2048,8192",
-        help="comma-separated CPU tier sizes in blocks (default 2048,8192)",
-    )
-    parser.add_argument(
-        "--policies", type=str, default="all", help=f"comma-separated, or all ({policy_names()})"
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def _parse_list(text: str, what: str) -> list[str]:
-    items = [s.strip() for s in text.split(",") if s.strip()]
-    if not items:
-        raise ValueError(f"--{what} is empty")
-    return items
+def parse_capacity(text: str, unique_blocks: int) -> int:
+    """``"5%"`` of the trace's unique blocks (at least 1), or a block count."""
+    t = text.strip()
+    try:
+        if t.endswith("%"):
+            pct = float(t[:-1])
+            if not pct > 0:
+                raise ValueError
+            return max(1, round(unique_blocks * pct / 100))
+        n = int(t)
+    except ValueError:
+        raise ValueError(f"capacity {text!r} is neither a block count nor a percentage") from None
+    if n < 1:
+        raise ValueError(f"capacity must be positive, got {n}")
+    return n
 
 
 def bench(
-    config: WorkloadConfig,
-    block_size: int,
-    capacities: Sequence[int],
+    trace: Trace,
+    capacities: Sequence[str],
     policies: Sequence[str],
+    with_vllm: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, object]:
-    """Replay every policy at every capacity; the report as one JSON-able dict."""
-    if block_size < 1:
-        raise ValueError(f"--block-size must be positive, got {block_size}")
-    if any(c < 1 for c in capacities):
-        raise ValueError(f"capacities must be positive, got {list(capacities)}")
+    """Every policy at every capacity, Belady and the ceiling: one JSON-able dict."""
     known = policy_names()
     for p in policies:
         if p not in known:
             raise ValueError(f"unknown cache policy {p!r}; known: {', '.join(known)}")
-    trace = build_trace(config, block_size)
-    unique = len({k for _, full in trace for k in full})
+    blocks = sum(len(k) for k in trace)
+    if not blocks:
+        raise ValueError("the trace holds no blocks")
+    unique = len({k for keys in trace for k in keys})
+    caps = [(c, parse_capacity(c, unique)) for c in capacities]
+    vllm_error = offload_vllm.unavailable() if with_vllm else "not requested (--no-vllm)"
     rows: list[dict[str, object]] = []
-    by_capacity: dict[str, dict[str, object]] = {}
-    for cap in capacities:
+    summary: dict[str, dict[str, object]] = {}
+    for label, cap in caps:
         if progress:
-            progress(f"belady @ {cap}")
+            progress(f"Belady @ {label}")
         belady = belady_hit_rate(trace, cap)
-        results = {}
+        results = []
         for p in policies:
             if progress:
-                progress(f"{p} @ {cap}")
-            results[p] = replay(trace, p, cap)
-        lru = results["lru"].hit_rate if "lru" in results else None
-        best = max(results.values(), key=lambda r: r.hit_rate)
-        for r in results.values():
+                progress(f"{p} @ {label}")
+            results.append(replay(trace, p, cap))
+        for name in VLLM_ROWS if vllm_error is None else ():
+            if progress:
+                progress(f"{name} @ {label}")
+            policy, threshold = offload_vllm.ROWS[name]
+            hits, ops, seconds, refused = offload_vllm.replay(trace, policy, cap, threshold)
+            results.append(ReplayResult(name, cap, blocks, hits, ops, seconds, refused))
+        base_ops = next((r.ops_per_s for r in results if r.policy == "vllm:lru"), None)
+        vllm_best = max((r.hit_rate for r in results if r.policy.startswith("vllm:")), default=None)
+        for r in results:
             row = asdict(r)
             row.update(
+                label=label,
                 hit_rate=r.hit_rate,
                 ops_per_s=r.ops_per_s,
-                belady_hit_rate=belady,
-                vs_lru=(r.hit_rate / lru) if lru else None,
-                vs_lru_points=(100 * (r.hit_rate - lru)) if lru is not None else None,
+                ops_vs_vllm_lru=(r.ops_per_s / base_ops) if base_ops else None,
                 of_belady=(r.hit_rate / belady) if belady else None,
             )
             rows.append(row)
-        by_capacity[str(cap)] = {
+        ours = next((r for r in results if r.policy == DEFAULT_CACHE_POLICY), None)
+        gap = None
+        if ours is not None and vllm_best is not None and belady > vllm_best:
+            gap = (ours.hit_rate - vllm_best) / (belady - vllm_best)
+        summary[label] = {
+            "capacity": cap,
             "belady_hit_rate": belady,
-            "lru_hit_rate": lru,
-            "best_policy": best.policy,
-            "best_hit_rate": best.hit_rate,
+            "best_policy": max(results, key=lambda r: r.hit_rate).policy,
+            "best_hit_rate": max(r.hit_rate for r in results),
+            "vllm_best_hit_rate": vllm_best,
+            "default_hit_rate": ours.hit_rate if ours else None,
+            "default_gap_closed": gap,
         }
     return {
-        "workload": asdict(config),
-        "block_size": block_size,
         "requests": len(trace),
-        "prompt_blocks": sum(len(p) for p, _ in trace),
+        "blocks": blocks,
         "unique_blocks": unique,
+        "ceiling_hit_rate": ceiling_hit_rate(trace),
         "default_policy": DEFAULT_CACHE_POLICY,
-        "capacities": by_capacity,
+        "vllm": vllm_error or "available",
+        "capacities": summary,
         "results": rows,
     }
 
 
-def run(args: argparse.Namespace) -> int:
-    capacities = [int(c) for c in _parse_list(args.capacities, "capacities")]
-    policies = policy_names() if args.policies == "all" else _parse_list(args.policies, "policies")
-    config = WorkloadConfig(
-        num_requests=args.requests,
-        num_conversations=args.conversations,
-        num_system_prompts=args.system_prompts,
-        zipf_s=args.zipf,
-        seed=args.seed,
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument(
+        "--trace",
+        type=argtypes.existing_file,
+        help="Mooncake JSONL trace (hash_ids per request)",
     )
+    src.add_argument(
+        "--generate",
+        choices=KINDS,
+        default=None,
+        help="replay a seeded synthetic trace of this kind instead (default: mixed)",
+    )
+    parser.add_argument(
+        "--requests",
+        type=argtypes.positive_int(1_000_000),
+        default=3000,
+        help="requests of --generate",
+    )
+    parser.add_argument(
+        "--seed", type=argtypes.any_int(2**63 - 1, 0), default=0, help="seed of --generate"
+    )
+    parser.add_argument(
+        "--capacity",
+        nargs="+",
+        default=["1%", "5%", "10%", "25%"],
+        help="CPU tier sizes: block counts, or %% of the trace's unique blocks "
+        "(default: 1%% 5%% 10%% 25%%)",
+    )
+    parser.add_argument(
+        "--policies", default="all", help=f"comma-separated, or all ({', '.join(policy_names())})"
+    )
+    parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's own policies")
+    parser.add_argument(
+        "--out", type=argtypes.output_dir, default=None, help="write table.md and plot.png here"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _trace_from_args(args: argparse.Namespace) -> tuple[str, Trace]:
+    if args.trace is not None:
+        return str(args.trace), trace_keys(load_trace(args.trace))
+    kind = args.generate or "mixed"
+    return f"generated {kind} (seed {args.seed})", trace_keys(
+        generate(kind, args.requests, args.seed)
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvoffload.bench import offload_report
+
+    policies = (
+        policy_names()
+        if args.policies == "all"
+        else [p.strip() for p in args.policies.split(",") if p.strip()]
+    )
+    if not policies:
+        raise ValueError("--policies is empty")
+    name, trace = _trace_from_args(args)
     if args.json:
-        print(json.dumps(bench(config, args.block_size, capacities, policies)))
+        report = bench(trace, args.capacity, policies, not args.no_vllm)
+        report["trace"] = name
+        if args.out:
+            offload_report.write(report, args.out)
+        print(json.dumps(report))
         return 0
 
     from rich.console import Console
     from rich.progress import Progress
-    from rich.table import Table
 
     console = Console()
-    steps = len(capacities) * (len(policies) + 1)
+    steps = len(args.capacity) * (len(policies) + 1 + (0 if args.no_vllm else len(VLLM_ROWS)))
     with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("replaying", total=steps + 1)
+        task = bar.add_task("replaying", total=steps)
 
         def progress(what: str) -> None:
             bar.update(task, advance=1, description=what)
 
-        report = bench(config, args.block_size, capacities, policies, progress)
-    table = Table(
-        title=(
-            f"offload policies: {report['requests']:,} requests, "
-            f"{report['prompt_blocks']:,} prompt blocks ({report['unique_blocks']:,} unique), "
-            f"block size {args.block_size}, seed {args.seed}"
-        )
-    )
-    for col in ("blocks", "policy", "Mops/s", "hit rate", "vs LRU (pt)", "of MIN", "MIN"):
-        table.add_column(col, justify="left" if col == "policy" else "right")
-    for row in report["results"]:  # type: ignore[union-attr]
-        vs = row["vs_lru_points"]
-        of = row["of_belady"]
-        table.add_row(
-            f"{row['capacity']:,}",
-            row["policy"] + ("*" if row["policy"] == DEFAULT_CACHE_POLICY else ""),
-            f"{row['ops_per_s'] / 1e6:.2f}M",
-            f"{row['hit_rate']:.2%}",
-            f"{vs:+.2f}" if vs is not None else "-",
-            f"{of:.1%}" if of is not None else "-",
-            f"{row['belady_hit_rate']:.2%}",
-        )
-    console.print(table)
-    console.print(
-        "Mops/s: million block operations per second through the manager; MIN: Belady's "
-        f"offline optimum (upper bound); * the default policy ({DEFAULT_CACHE_POLICY})"
-    )
-    for cap, summary in report["capacities"].items():  # type: ignore[union-attr]
-        lru = summary["lru_hit_rate"]
-        lru_text = f"{lru:.2%}" if lru is not None else "n/a"
-        console.print(
-            f"capacity {int(cap):,}: best {summary['best_policy']} "
-            f"{summary['best_hit_rate']:.2%}, LRU {lru_text}, "
-            f"Belady {summary['belady_hit_rate']:.2%}"
-        )
+        report = bench(trace, args.capacity, policies, not args.no_vllm, progress)
+    report["trace"] = name
+    offload_report.print_report(report, console)
+    if args.out:
+        paths = offload_report.write(report, args.out)
+        console.print("wrote " + ", ".join(str(p) for p in paths))
     return 0

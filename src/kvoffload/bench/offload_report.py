@@ -1,0 +1,158 @@
+"""The report of ``kvoffload bench offload``: terminal table, markdown table, plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _rows(report: dict[str, Any]) -> tuple[list[str], list[str], dict[str, dict[str, Any]]]:
+    """(capacity labels, row names in first-seen order, name -> label -> row)."""
+    labels = list(report["capacities"])
+    names: list[str] = []
+    by: dict[str, dict[str, Any]] = {}
+    for row in report["results"]:
+        if row["policy"] not in by:
+            names.append(row["policy"])
+            by[row["policy"]] = {}
+        by[row["policy"]][row["label"]] = row
+    return labels, names, by
+
+
+def table_lines(report: dict[str, Any]) -> list[list[str]]:
+    """Header + one line per row: hit rates per capacity, then mean ops/s and vs vLLM lru."""
+    labels, names, by = _rows(report)
+    caps = report["capacities"]
+    head = ["policy"] + [f"{lb} ({caps[lb]['capacity']:,})" for lb in labels]
+    head += ["Mops/s", "x vLLM lru"]
+    lines = [head]
+    default = report["default_policy"]
+    for name in names:
+        cells = [name + (" (default)" if name == default else "")]
+        ops, ratios = [], []
+        for lb in labels:
+            row = by[name].get(lb)
+            cells.append(f"{100 * row['hit_rate']:.2f}" if row else "-")
+            if row:
+                ops.append(row["ops_per_s"])
+                if row["ops_vs_vllm_lru"] is not None:
+                    ratios.append(row["ops_vs_vllm_lru"])
+        cells.append(f"{sum(ops) / len(ops) / 1e6:.2f}" if ops else "-")
+        cells.append(f"{sum(ratios) / len(ratios):.1f}x" if ratios else "-")
+        lines.append(cells)
+    lines.append(
+        ["Belady MIN"]
+        + [f"{100 * caps[lb]['belady_hit_rate']:.2f}" for lb in labels]
+        + ["", ""]
+    )
+    lines.append(
+        ["ceiling"]
+        + [f"{100 * report['ceiling_hit_rate']:.2f}"] * len(labels)
+        + ["", ""]
+    )
+    return lines
+
+
+def closing_note(report: dict[str, Any]) -> str:
+    caps = report["capacities"]
+    default = report["default_policy"]
+    parts = []
+    for lb, s in caps.items():
+        if s["default_gap_closed"] is None:
+            continue
+        parts.append(f"{lb}: {100 * s['default_gap_closed']:+.1f}%")
+    best = [lb for lb, s in caps.items() if s["best_policy"] == default]
+    text = (
+        f"Default {default} is the best row at {len(best)} of {len(caps)} capacities"
+        + (f" ({', '.join(best)})" if best else "")
+        + "."
+    )
+    if parts:
+        text += (
+            " Share of the gap from vLLM's best (lru, arc, lru+store_threshold=2) to Belady "
+            f"that it closes: {'; '.join(parts)}."
+        )
+    else:
+        text += f" vLLM: {report['vllm']}."
+    return text
+
+
+def print_report(report: dict[str, Any], console: Console) -> None:
+    lines = table_lines(report)
+    table = Table(
+        title=(
+            f"{report['trace']}: {report['requests']:,} requests, {report['blocks']:,} blocks "
+            f"({report['unique_blocks']:,} unique); block hit rate % by CPU tier size"
+        )
+    )
+    for i, col in enumerate(lines[0]):
+        table.add_column(col, justify="left" if i == 0 else "right")
+    for cells in lines[1:]:
+        table.add_row(*cells)
+    console.print(table)
+    console.print(
+        "Mops/s: million block operations per second through the manager (mean over sizes, "
+        "noisy on a shared machine); x vLLM lru: ratio to vLLM lru's in the same run."
+    )
+    console.print(closing_note(report))
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = table_lines(report)
+    out = [
+        f"# kvoffload bench offload: {report['trace']}",
+        "",
+        f"{report['requests']:,} requests, {report['blocks']:,} blocks, "
+        f"{report['unique_blocks']:,} unique. Block hit rate (%) by CPU tier size "
+        "(% of unique blocks, and blocks).",
+        "",
+        "| " + " | ".join(lines[0]) + " |",
+        "|" + "---|" * len(lines[0]),
+    ]
+    out += ["| " + " | ".join(cells) + " |" for cells in lines[1:]]
+    out += ["", closing_note(report), ""]
+    return "\n".join(out)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, names, by = _rows(report)
+    caps = report["capacities"]
+    xs = [caps[lb]["capacity"] for lb in labels]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name in names:
+        ys = [100 * by[name][lb]["hit_rate"] for lb in labels]
+        ax.plot(
+            xs,
+            ys,
+            marker="o",
+            linewidth=2.5 if name == report["default_policy"] else 1.2,
+            label=name,
+        )
+    ax.plot(xs, [100 * caps[lb]["belady_hit_rate"] for lb in labels], "k--", label="Belady MIN")
+    ax.axhline(100 * report["ceiling_hit_rate"], color="grey", linestyle=":", label="ceiling")
+    ax.set_xscale("log")
+    ax.set_xlabel("CPU tier capacity (blocks)")
+    ax.set_ylabel("block hit rate (%)")
+    ax.set_title(str(report["trace"]))
+    ax.legend(fontsize="small")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(report: dict[str, Any], out: Path) -> list[Path]:
+    """``table.md`` and ``plot.png`` in ``out`` (created); their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    md, png = out / "table.md", out / "plot.png"
+    md.write_text(markdown(report), encoding="utf-8")
+    plot(report, png)
+    return [md, png]
