@@ -354,3 +354,38 @@ def test_our_subscriber_catches_up_from_a_seq_on_vllm_publisher() -> None:
     assert [(r.seq, r.replayed) for r in got] == [(s, True) for s in range(5, 20)]
     assert [r.batch.events[0].token_ids for r in got] == [[s] for s in range(5, 20)]
     assert sub.lost_ranges == []
+
+
+def test_kvoffload_events_command_prints_vllm_publisher_batches() -> None:
+    import argparse
+    import io
+    import json
+
+    from kvoffload.cli import events_cmd
+
+    vpub, endpoint, replay_endpoint = _vllm_publisher(buffer_steps=100)
+    try:
+        for i in range(3):
+            vpub.publish(_vllm_batch(i))
+        for _ in range(int(GUARD_S / 0.01)):
+            if vpub._event_queue.unfinished_tasks == 0:
+                break
+            time.sleep(0.01)
+        parser = argparse.ArgumentParser()
+        events_cmd.add_arguments(parser)
+        args = parser.parse_args(
+            [
+                "--endpoint", endpoint, "--replay-endpoint", replay_endpoint,
+                "--from-seq", "0", "--max-batches", "3", "--json", "--timeout", str(GUARD_S),
+            ]
+        )  # fmt: skip
+        out, err = io.StringIO(), io.StringIO()
+        rc = events_cmd.stream_events(args, out, err)
+    finally:
+        vpub.shutdown()
+    assert rc == 0, err.getvalue()
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [line["seq"] for line in lines] == [0, 1, 2]
+    assert {line["format"] for line in lines} == {"vllm"}
+    assert [line["events"][0]["token_ids"] for line in lines] == [[0], [1], [2]]
+    assert "undecodable" not in err.getvalue()
