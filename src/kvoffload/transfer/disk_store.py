@@ -30,6 +30,9 @@ Invariants:
 I/O runs with O_DIRECT when the filesystem accepts it (probed at open) and
 buffered otherwise; runs of consecutive slots are coalesced into one
 ``preadv``/``pwritev`` and spread over a thread pool (both release the GIL).
+The slab files are ``disk_slabs.SlabFiles``; the index log's format is
+``disk_index``; this module keeps the manifest, the in-memory index and the
+write/read protocol between them.
 """
 
 from __future__ import annotations
@@ -38,7 +41,6 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -49,12 +51,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from kvoffload.transfer.block_buffers import (
-    BlockBuffers,
-    address_of,
-    aligned_empty,
-    as_block_views,
-)
+from kvoffload.transfer.block_buffers import BlockBuffers, as_block_views
 from kvoffload.transfer.disk_index import (
     MAX_KEY_BYTES,
     DiskEntry,
@@ -64,11 +61,17 @@ from kvoffload.transfer.disk_index import (
     is_no_space,
     put_record,
 )
+from kvoffload.transfer.disk_slabs import (
+    ALIGN,
+    DiskStoreError,
+    DiskStoreMismatchError,
+    SlabFiles,
+    round_up,
+)
 from kvoffload.transfer.slot_io import fingerprint_diff
 
 logger = logging.getLogger(__name__)
 
-ALIGN = 4096
 FORMAT_NAME = "kvoffload-disk-tier"
 FORMAT_VERSION = 2
 CHECKSUM_NAME = "xxh3_64"
@@ -76,9 +79,6 @@ MANIFEST_NAME = "manifest.json"
 INDEX_NAME = "index.log"
 LOCK_NAME = ".lock"
 
-# Bound on one preadv/pwritev: iovec count and bytes.
-_MAX_RUN_IOV = 512
-_MAX_RUN_BYTES = 4 << 20
 # Batches below this many bytes run on the calling thread (pool overhead dominates).
 _INLINE_BYTES = 1 << 20
 
@@ -91,14 +91,6 @@ __all__ = [
     "DiskStoreMismatchError",
     "DiskStoreStats",
 ]
-
-
-class DiskStoreError(RuntimeError):
-    """The disk tier cannot be used as configured (bad directory, no space, in use)."""
-
-
-class DiskStoreMismatchError(DiskStoreError):
-    """The directory holds a disk tier written by another model or an incompatible engine."""
 
 
 @dataclass
@@ -171,41 +163,6 @@ class _WriteAlarm:
             )
 
 
-def _skip(iov: list[Any], done: int) -> list[Any]:
-    """What is left of ``iov`` once its first ``done`` bytes moved (after a short I/O call)."""
-    while iov and done >= len(iov[0]):
-        done -= len(iov[0])
-        iov = iov[1:]
-    if iov and done:
-        iov = [memoryview(iov[0])[done:], *iov[1:]]
-    return iov
-
-
-def _write_all(fd: int, iov: list[Any], offset: int) -> None:
-    """``pwritev`` until every byte of ``iov`` is written (short writes continue)."""
-    while iov:
-        done = os.pwritev(fd, iov, offset)
-        offset += done
-        iov = _skip(iov, done)
-
-
-def _read_all(fd: int, iov: list[Any], offset: int) -> int:
-    """``preadv`` until ``iov`` is full or end of file; returns the bytes read."""
-    total = 0
-    while iov:
-        done = os.preadv(fd, iov, offset)
-        if done == 0:
-            break
-        total += done
-        offset += done
-        iov = _skip(iov, done)
-    return total
-
-
-def _round_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
 class DiskBlockStore:
     """Fixed-size blocks in preallocated slab files under ``directory``.
 
@@ -254,7 +211,7 @@ class DiskBlockStore:
             raise ValueError(f"blocks_per_file must be positive, got {blocks_per_file}")
         self.directory = Path(directory)
         self.block_bytes = block_bytes
-        self.slot_bytes = _round_up(block_bytes, ALIGN)
+        self.slot_bytes = round_up(block_bytes, ALIGN)
         self.capacity_blocks = capacity_blocks
         self.blocks_per_file = min(blocks_per_file or capacity_blocks, capacity_blocks)
         self.geometry_fingerprint = geometry_fingerprint
@@ -265,13 +222,11 @@ class DiskBlockStore:
         self._by_slot: dict[int, DiskEntry] = {}
         self._by_key: dict[bytes, DiskEntry] = {}
         self._next_seq = 1
-        self._fds: list[int] = []
         self._lock_fd = -1
         self._index: IndexLog | None = None
         self._alarm = _WriteAlarm(self.directory)
         self._compact_at = 0
-        self._tls = threading.local()
-        self._pad = np.zeros(self.slot_bytes - block_bytes, dtype=np.uint8)
+        self._slabs = SlabFiles(self.directory, block_bytes, capacity_blocks, self.blocks_per_file)
         self._closed = False
         try:
             self._open(direct_io)
@@ -279,6 +234,11 @@ class DiskBlockStore:
             self._release()
             raise
         self._pool = ThreadPoolExecutor(num_io_threads, thread_name_prefix="kvoffload-disk")
+
+    @property
+    def direct_io(self) -> bool:
+        """Whether slab I/O runs with O_DIRECT (probed at open)."""
+        return self._slabs.direct_io
 
     # -- opening ------------------------------------------------------------
 
@@ -294,15 +254,6 @@ class DiskBlockStore:
             "capacity_blocks": self.capacity_blocks,
             "blocks_per_file": self.blocks_per_file,
         }
-
-    def _num_files(self) -> int:
-        return -(-self.capacity_blocks // self.blocks_per_file)
-
-    def _file_blocks(self, i: int) -> int:
-        return min(self.blocks_per_file, self.capacity_blocks - i * self.blocks_per_file)
-
-    def _slab_path(self, i: int) -> Path:
-        return self.directory / f"slab-{i:05d}.bin"
 
     def _open(self, direct_io: bool | None) -> None:
         d = self.directory
@@ -330,8 +281,8 @@ class DiskBlockStore:
             self._check_manifest(manifest_path)
         try:
             if fresh:
-                self._check_free_space()
-            self._open_slabs(direct_io, fresh)
+                self._slabs.check_free_space()
+            self._slabs.open(direct_io, fresh)
             self._index = IndexLog(d / INDEX_NAME, self.durable)
             if fresh:
                 if not self._index.rewrite([]):
@@ -382,86 +333,13 @@ class DiskBlockStore:
         os.replace(tmp, path)
         fsync_dir(self.directory)
 
-    def _check_free_space(self) -> None:
-        need = self.capacity_blocks * self.slot_bytes
-        have = sum(
-            p.stat().st_size for i in range(self._num_files()) if (p := self._slab_path(i)).exists()
-        )
-        free = shutil.disk_usage(self.directory).free
-        if need - have > free:
-            raise DiskStoreError(
-                f"not enough free space in {self.directory} for {self.capacity_blocks} "
-                f"blocks ({need / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free)"
-            )
-
-    def _open_slabs(self, direct_io: bool | None, fresh: bool) -> None:
-        flags = os.O_RDWR | os.O_CREAT
-        use_direct = direct_io is not False and hasattr(os, "O_DIRECT")
-        self._truncated_from: dict[int, int] = {}
-        for i in range(self._num_files()):
-            path = self._slab_path(i)
-            size = self._file_blocks(i) * self.slot_bytes
-            fd = os.open(path, flags | (os.O_TRUNC if fresh else 0), 0o644)
-            try:
-                have = os.fstat(fd).st_size
-                if have < size:
-                    if not fresh:
-                        # Slots past the end were lost; their entries are dropped on load.
-                        self._truncated_from[i] = have // self.slot_bytes
-                    self._preallocate(fd, have, size, fresh)
-            finally:
-                os.close(fd)
-        self.direct_io = False
-        if use_direct:
-            self.direct_io = self._probe_direct()
-            if direct_io and not self.direct_io:
-                raise DiskStoreError(
-                    f"O_DIRECT was required but the filesystem of {self.directory} refuses it"
-                )
-        extra = os.O_DIRECT if self.direct_io else 0
-        self._fds = [
-            os.open(self._slab_path(i), os.O_RDWR | extra) for i in range(self._num_files())
-        ]
-
-    def _preallocate(self, fd: int, have: int, size: int, fresh: bool) -> None:
-        try:
-            os.posix_fallocate(fd, have, size - have)
-        except OSError as e:
-            if is_no_space(e) and fresh:
-                raise DiskStoreError(
-                    f"not enough free space in {self.directory} for the disk tier's slabs"
-                ) from e
-            if is_no_space(e):
-                # A re-opened slab that lost its tail, on a full filesystem: extend it
-                # sparse; writes into the hole fail (and are counted) until room returns.
-                logger.warning(
-                    "disk tier %s: no space to re-allocate a truncated slab; its lost "
-                    "slots stay unallocated until room returns",
-                    self.directory,
-                )
-            # Filesystems without fallocate get a sparse file.
-            os.ftruncate(fd, size)
-
-    def _probe_direct(self) -> bool:
-        try:
-            fd = os.open(self._slab_path(0), os.O_RDWR | os.O_DIRECT)
-        except OSError:
-            return False
-        try:
-            buf = aligned_empty(ALIGN)
-            return os.preadv(fd, [buf], 0) == ALIGN
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
-
     def _load_index(self) -> None:
         assert self._index is not None
         entries, bad = self._index.replay()
         dropped = 0
         for slot in list(entries):
             f, local = divmod(slot, self.blocks_per_file)
-            if slot >= self.capacity_blocks or local >= self._truncated_from.get(f, 1 << 62):
+            if slot >= self.capacity_blocks or local >= self._slabs.truncated_from.get(f, 1 << 62):
                 del entries[slot]
                 dropped += 1
         by_key: dict[bytes, DiskEntry] = {}
@@ -588,83 +466,6 @@ class DiskBlockStore:
         if self._closed:
             raise DiskStoreError(f"disk tier {self.directory} is closed")
 
-    def _bounce(self, nbytes: int) -> np.ndarray:
-        buf: np.ndarray | None = getattr(self._tls, "buf", None)
-        if buf is None or buf.nbytes < nbytes:
-            buf = aligned_empty(_round_up(nbytes, ALIGN))
-            self._tls.buf = buf
-        return buf[:nbytes]
-
-    def _scratch_pad(self) -> np.ndarray:
-        pad: np.ndarray | None = getattr(self._tls, "pad", None)
-        if pad is None:
-            pad = np.empty(self.slot_bytes - self.block_bytes, dtype=np.uint8)
-            self._tls.pad = pad
-        return pad
-
-    def _runs(self, slots: Sequence[int]) -> list[list[int]]:
-        """Indices into ``slots`` grouped into runs of consecutive slots in one file."""
-        order = sorted(range(len(slots)), key=slots.__getitem__)
-        max_run = max(1, min(_MAX_RUN_IOV, _MAX_RUN_BYTES // self.slot_bytes))
-        runs: list[list[int]] = []
-        bpf = self.blocks_per_file
-        for i in order:
-            s = slots[i]
-            if runs:
-                last = runs[-1]
-                prev = slots[last[-1]]
-                if s == prev + 1 and s // bpf == prev // bpf and len(last) < max_run:
-                    last.append(i)
-                    continue
-            runs.append([i])
-        return runs
-
-    def _direct_ok(self, views: Sequence[np.ndarray]) -> bool:
-        if self.slot_bytes != self.block_bytes:
-            return False
-        return all(address_of(v) % ALIGN == 0 for v in views)
-
-    def _write_run(self, slot0: int, views: list[np.ndarray]) -> None:
-        f, local = divmod(slot0, self.blocks_per_file)
-        fd, offset = self._fds[f], local * self.slot_bytes
-        iov: list[Any]
-        if self.direct_io and not self._direct_ok(views):
-            buf = self._bounce(len(views) * self.slot_bytes)
-            rows = buf.reshape(len(views), self.slot_bytes)
-            for row, v in zip(rows, views):
-                row[: self.block_bytes] = v
-                row[self.block_bytes :] = 0
-            iov = [buf]
-        elif self.slot_bytes != self.block_bytes:
-            iov = [x for v in views for x in (v, self._pad)]
-        else:
-            iov = list(views)
-        _write_all(fd, iov, offset)
-
-    def _read_run(self, slot0: int, views: list[np.ndarray]) -> int:
-        """Read consecutive slots into ``views``; returns how many blocks were read whole."""
-        f, local = divmod(slot0, self.blocks_per_file)
-        fd, offset = self._fds[f], local * self.slot_bytes
-        n = len(views)
-        if self.direct_io and not self._direct_ok(views):
-            buf = self._bounce(n * self.slot_bytes)
-            got = _read_all(fd, [buf], offset)
-            rows = buf.reshape(n, self.slot_bytes)
-            whole = min(n, got // self.slot_bytes)
-            for row, v in zip(rows[:whole], views):
-                v[:] = row[: self.block_bytes]
-            return whole
-        if self.slot_bytes != self.block_bytes:
-            pad = self._scratch_pad()
-            got = _read_all(fd, [x for v in views for x in (v, pad)], offset)
-            # The last block needs its bytes, not its padding.
-            whole = got // self.slot_bytes
-            if whole < n and got - whole * self.slot_bytes >= self.block_bytes:
-                whole += 1
-            return whole
-        got = _read_all(fd, list(views), offset)
-        return got // self.slot_bytes
-
     def _fan_out(self, work: list[Any], fn: Any, nbytes: int) -> list[Any]:
         if len(work) <= 1 or nbytes < _INLINE_BYTES:
             return [fn(w) for w in work]
@@ -710,12 +511,12 @@ class DiskBlockStore:
 
         def write(run: list[int]) -> OSError | None:
             try:
-                self._write_run(slots[run[0]], [views[i] for i in run])
+                self._slabs.write_run(slots[run[0]], [views[i] for i in run])
                 return None
             except OSError as e:
                 return e
 
-        runs = self._runs(slots)
+        runs = self._slabs.runs(slots)
         errs = self._fan_out(runs, write, n * self.slot_bytes)
         ok = [False] * n
         for run, err in zip(runs, errs):
@@ -724,8 +525,7 @@ class DiskBlockStore:
         first_err = next((e for e in errs if e is not None), None)
         if self.durable and first_err is None:
             try:
-                for fd in self._fds:
-                    os.fdatasync(fd)
+                self._slabs.sync()
             except OSError as e:
                 first_err = e
                 ok = [False] * n
@@ -787,12 +587,12 @@ class DiskBlockStore:
         found_slots = [entries[i].slot for i in found]  # type: ignore[union-attr]
         if len(set(found_slots)) != len(found_slots):
             raise ValueError("keys of one get must be distinct")
-        runs = self._runs(found_slots)
+        runs = self._slabs.runs(found_slots)
 
         def read(run: list[int]) -> tuple[list[int], int, str]:
             idx = [found[j] for j in run]
             try:
-                return idx, self._read_run(found_slots[run[0]], [views[i] for i in idx]), ""
+                return idx, self._slabs.read_run(found_slots[run[0]], [views[i] for i in idx]), ""
             except OSError as e:
                 return idx, 0, str(e)
 
@@ -837,16 +637,13 @@ class DiskBlockStore:
 
     def flush(self) -> None:
         """Make everything written so far durable (data, then index)."""
-        for fd in self._fds:
-            os.fdatasync(fd)
+        self._slabs.sync()
         with self._lock:
             if self._index is not None:
                 self._index.sync()
 
     def _release(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
+        self._slabs.close()
         if self._index is not None:
             self._index.close()
             self._index = None
