@@ -417,23 +417,36 @@ def encode_batch(
     return _encoder.encode(to_wire(batch, profile, int_hashes=int_hashes))
 
 
+# Try the profile that decoded last first: a stream is nearly always one
+# profile, so the other decoder's failed attempt is paid only on a switch.
+# The order is an immutable tuple swapped whole, so concurrent decoders each
+# see a complete order.
+_decoders: tuple[tuple[str, msgspec.msgpack.Decoder], ...] = (
+    (PROFILE_VLLM, _vllm_decoder),
+    (PROFILE_LEGACY, _legacy_decoder),
+)
+
+
 def decode_batch_profile(payload: bytes) -> tuple[KVEventBatch, str]:
     """Decode a payload of either profile; returns the batch and the profile.
 
     Raises ``msgspec.DecodeError`` (``ValidationError`` included) when it is
-    neither.
+    neither; the error is the vllm profile's.
     """
-    try:
-        wire: _VllmBatch | _LegacyBatch = _vllm_decoder.decode(payload)
-        profile = PROFILE_VLLM
-    except msgspec.DecodeError as first:
+    global _decoders
+    order = _decoders
+    errors: dict[str, msgspec.DecodeError] = {}
+    for i, (profile, decoder) in enumerate(order):
         try:
-            wire = _legacy_decoder.decode(payload)
-        except msgspec.DecodeError:
-            raise first from None
-        profile = PROFILE_LEGACY
-    events = [_from_wire(e) for e in wire.events]
-    return KVEventBatch(wire.ts, events, wire.data_parallel_rank), profile
+            wire: _VllmBatch | _LegacyBatch = decoder.decode(payload)
+        except msgspec.DecodeError as exc:
+            errors[profile] = exc
+            continue
+        if i:
+            _decoders = (order[i], *order[:i], *order[i + 1 :])
+        events = [_from_wire(e) for e in wire.events]
+        return KVEventBatch(wire.ts, events, wire.data_parallel_rank), profile
+    raise errors[PROFILE_VLLM]
 
 
 def decode_batch(payload: bytes) -> KVEventBatch:
