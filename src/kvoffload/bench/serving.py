@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,12 +60,14 @@ def run_trace(
     concurrency: int,
     label: str = "",
     progress: object | None = None,
+    on_output: Callable[[RequestOutput], None] | None = None,
 ) -> ServeSummary:
     """Submit ``trace`` in order, at most ``concurrency`` requests in the engine at once.
 
     Each turn generates as many tokens as its scripted reply (the next turn's
     prompt carries the scripted reply, so the prefix structure stays the trace's).
-    ``progress`` is an optional ``rich.progress.Progress`` task pair ``(progress, task)``.
+    ``progress`` is an optional ``rich.progress.Progress`` task pair ``(progress, task)``;
+    ``on_output`` sees every finished request's output (with its logits when recorded).
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -83,6 +85,9 @@ def run_trace(
             )
             in_flight += 1
         for out in engine.step():
+            if on_output is not None:
+                on_output(out)
+            out.logits = None  # the summary needs none of it; rows are vocab-sized
             outputs.append(out)
             in_flight -= 1
             if progress is not None:
@@ -127,6 +132,7 @@ def serve(
     concurrency: int = 8,
     label: str = "",
     show_progress: bool = False,
+    on_output: Callable[[RequestOutput], None] | None = None,
 ) -> ServeSummary:
     """Build an engine from ``config``, replay the (demo) workload, close the engine."""
     engine = LLMEngine(config)
@@ -134,7 +140,7 @@ def serve(
         wl = workload or demo_workload(engine.runner.vocab_size, seed=config.seed)
         trace = list(generate_trace(wl))
         if not show_progress:
-            return run_trace(engine, trace, concurrency, label)
+            return run_trace(engine, trace, concurrency, label, on_output=on_output)
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
         with Progress(
@@ -145,6 +151,6 @@ def serve(
             transient=False,
         ) as prog:
             task = prog.add_task(label or "serving", total=len(trace))
-            return run_trace(engine, trace, concurrency, label, (prog, task))
+            return run_trace(engine, trace, concurrency, label, (prog, task), on_output)
     finally:
         engine.close()

@@ -25,7 +25,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     kv_layout: str = "layer_first"
     hash_fn: str = "sha256"  # vLLM 0.33's default: mixed fleets share hashes
-    hash_seed: str = "0"
+    # NONE_HASH seed (vLLM's PYTHONHASHSEED role); None = the environment's, else
+    # the hash function's fixed default (random per process for non-crypto hashes).
+    hash_seed: str | None = None
     # Offload tier
     store_mode: str = "eager"  # off | eager | lazy
     cpu_bytes: int | None = None  # CPU tier byte budget; None = num_cpu_blocks
@@ -40,7 +42,13 @@ class EngineConfig:
     # KV events
     events_endpoint: str | None = None
     events_replay_endpoint: str | None = None
-    events_topic: str = "kv-events"
+    events_topic: str | None = None  # None = the publisher's default (vLLM's: "")
+    events_format: str = "vllm"  # wire profile: "vllm" (0.33's) or "legacy"
+    # Verification: keep every sampled logits row on its RequestOutput (costs a
+    # vocab-sized copy per token; off by default).
+    record_logits: bool = False
+    # torch intra-op threads for the model; None = kvoffload.engine.threads decides.
+    num_threads: int | None = None
     # Worker
     transfer_threads: int = 2
 
@@ -76,6 +84,18 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.dtype {self.dtype!r} is not supported")
         if self.lazy_window_blocks is not None:
             positive("lazy_window_blocks")
+        if self.num_threads is not None:
+            positive("num_threads")
+        if self.hash_seed is not None and not isinstance(self.hash_seed, str):
+            raise ValueError(
+                f"EngineConfig.hash_seed must be a string or None, got {self.hash_seed!r}"
+            )
+        from kvoffload.events.types import check_profile
+
+        try:
+            check_profile(self.events_format)
+        except ValueError as exc:
+            raise ValueError(f"EngineConfig.events_format: {exc}") from None
 
     @property
     def publishes_events(self) -> bool:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import torch
 
 from kvoffload.blocks import BlockPool
 from kvoffload.connector import OffloadingConnectorScheduler, SimpleCPUOffloadScheduler
@@ -23,6 +25,8 @@ from kvoffload.engine.model_runner import ModelRunner
 from kvoffload.engine.offload_setup import OffloadSetup, build_offload
 from kvoffload.engine.request import Request, RequestStatus, SamplingParams
 from kvoffload.engine.scheduler import Scheduler
+from kvoffload.engine.stats import EngineStats
+from kvoffload.engine.threads import apply_thread_policy
 from kvoffload.events import KVEvent
 from kvoffload.events.publisher import make_publisher
 from kvoffload.hashing import get_hash_fn_by_name, make_none_hash
@@ -42,23 +46,18 @@ class RequestOutput:
     num_tier_hit_tokens: int
     num_prefill_tokens_computed: int
     num_preemptions: int
+    # [len(output_token_ids), vocab]: the row each output token was sampled from,
+    # only when EngineConfig.record_logits (kvoffload run --verify).
+    logits: torch.Tensor | None = None
 
 
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prompt_tokens: int = 0
-    prefill_tokens_computed: int = 0
-    decode_tokens: int = 0
-    gpu_hit_tokens: int = 0
-    tier_hit_tokens: int = 0
-    preemptions: int = 0
-    finished: list[RequestOutput] = field(default_factory=list)
+__all__ = ["EngineStats", "LLMEngine", "RequestOutput"]
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
+        apply_thread_policy(config.num_threads)
         self.hash_fn = get_hash_fn_by_name(config.hash_fn)
         # The chain seed is per engine, not global, so two engines in one process
         # (tests) and two processes sharing a Redis tier agree when seeded alike.
@@ -79,8 +78,12 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv, self.connector, config.max_num_seqs, config.max_num_batched_tokens
         )
+        topic = {} if config.events_topic is None else {"topic": config.events_topic}
         self.publisher = make_publisher(
-            config.events_endpoint, config.events_replay_endpoint, config.events_topic
+            config.events_endpoint,
+            config.events_replay_endpoint,
+            events_format=config.events_format,
+            **topic,  # type: ignore[arg-type]
         )
         self.stats = EngineStats()
         self._requests: dict[str, Request] = {}
@@ -133,6 +136,7 @@ class LLMEngine:
         if req is not None and not req.is_finished:
             self.scheduler.finish_request(req, RequestStatus.ABORTED)
             self.runner.release(req_id)
+            self.stats.aborted_requests += 1
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -203,6 +207,8 @@ class LLMEngine:
             if req.req_id not in sampled:
                 continue  # a prefill chunk that did not reach the end
             req.append_output(sampled[req.req_id])
+            if self.runner.record_logits:
+                req.logits_rows.append(self.runner.last_logits[req.req_id])
             if req.first_token_time is None:
                 req.first_token_time = now
             if req.should_stop():
@@ -232,14 +238,18 @@ class LLMEngine:
             num_tier_hit_tokens=req.num_tier_hit_tokens,
             num_prefill_tokens_computed=req.num_prefill_tokens_computed,
             num_preemptions=req.num_preemptions,
+            logits=torch.stack(req.logits_rows) if req.logits_rows else None,  # type: ignore[arg-type]
         )
+        req.logits_rows = []
         s = self.stats
         s.prefill_tokens_computed += out.num_prefill_tokens_computed
         s.decode_tokens += len(out.output_token_ids)
         s.gpu_hit_tokens += out.num_gpu_hit_tokens
         s.tier_hit_tokens += out.num_tier_hit_tokens
         s.preemptions += out.num_preemptions
-        s.finished.append(out)
+        s.finished_requests += 1
+        s.ttft_s.add(out.ttft_s)
+        s.latency_s.add(out.latency_s)
         self._outputs.append(out)
         del self._requests[req.req_id]
         self.runner.release(req.req_id)
@@ -272,6 +282,39 @@ class LLMEngine:
             events = self.take_kv_events()
             if events:
                 self.publisher.publish(events)
+
+    # -- reset ----------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block: the GPU prefix cache and every tier this engine owns.
+
+        All or nothing: returns False, changing nothing, while a transfer is
+        in flight, a request holds GPU blocks, or a tier has a block pinned or
+        being stored (vLLM 0.33 refuses likewise while blocks are in use).
+        Run it after a weight update, so no tier serves KV of the old weights.
+        Events: the GPU tier's ``AllBlocksCleared`` and, per secondary tier, a
+        ``BlockRemoved`` of every block it held with that tier's ``medium``
+        (``AllBlocksCleared`` has no medium field in vLLM's wire format). A
+        shared remote tier forgets only what this instance knows of it (see
+        ``RemoteOffloadingManager.reset_cache``), so other instances keep theirs.
+        """
+        if self.connector is not None and self.connector.num_in_flight_jobs():
+            return False
+        if self.pool.get_num_free_blocks() != self.pool.num_blocks - 1:
+            return False  # a request (running, or waiting after a load) holds blocks
+        manager = self.offload.manager if self.offload is not None else None
+        if manager is not None and not manager.can_reset_cache():
+            return False
+        if not self.pool.reset_prefix_cache():
+            return False
+        if manager is not None:
+            if not manager.reset_cache():
+                raise RuntimeError("offload tier refused a reset it had just allowed")
+            if isinstance(self.connector, SimpleCPUOffloadScheduler):
+                # The lazy walk's cursor and handled count describe the old cache.
+                self.connector.walker = type(self.connector.walker)(self.pool)
+        self._publish_events()
+        return True
 
     # -- convenience ----------------------------------------------------------
 

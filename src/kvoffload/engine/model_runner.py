@@ -59,6 +59,9 @@ class ModelRunner:
             self.layout.layer_kv(self.kv_tensors, layer) for layer in range(mc.num_layers)
         ]
         self.generators: dict[str, torch.Generator] = {}
+        # Filled by each execute() only when config.record_logits (verification).
+        self.record_logits = config.record_logits
+        self.last_logits: dict[str, torch.Tensor] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -112,6 +115,11 @@ class ModelRunner:
         out: dict[str, int] = {}
         for row, req in enumerate(sampled_reqs):
             out[req.req_id] = sample(logits[row], req.sampling, self._generator(req))
+        if self.record_logits:
+            # Copies: the step's logits tensor is reused memory once it is freed.
+            self.last_logits = {
+                req.req_id: logits[row].clone() for row, req in enumerate(sampled_reqs)
+            }
         return out
 
     def _generator(self, req: Request) -> torch.Generator | None:

@@ -72,6 +72,8 @@ class Request:
         self.num_tier_hit_tokens = 0
         self.num_external_tokens = 0  # tokens being loaded right now
         self.num_prefill_tokens_computed = 0
+        # The logits row behind each output token, only when the engine records them.
+        self.logits_rows: list[object] = []
 
     @property
     def block_hashes(self) -> list[BlockHash]:
