@@ -24,7 +24,8 @@ Invariants:
   the subscriber asks the replay socket for everything from the first missing
   seq and holds later live batches until the answer ends, or until no reply
   came for ``replay_timeout_s``; then it hands out what it got, including
-  batches newer than the one that revealed the gap. Replay never makes
+  batches newer than the one that revealed the gap as far as they follow it
+  without a hole (a seq missing there may still arrive live). Replay never makes
   ``recv`` overrun its caller's deadline: the request stays open across calls.
 * After a replay timed out, replays back off (``replay_backoff_s``, doubling
   up to ``replay_backoff_max_s``); a gap met while backing off is recorded lost at
@@ -400,6 +401,13 @@ class KVEventSubscriber:
         got = {s: p for s, p in replay.got if s >= first}
         if replay.live is not None:
             got.setdefault(replay.live[0], replay.live[1])
+            # Past the live batch, only a run without holes is used: a seq
+            # missing there may still be on its way live (the buffer had
+            # already dropped it), so it must not be declared lost.
+            end = replay.live[0] + 1
+            while end in got:
+                end += 1
+            got = {s: p for s, p in got.items() if s < end}
         lost_before = len(self.lost_ranges)
         cursor = first
         for s in sorted(got):
