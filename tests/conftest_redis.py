@@ -192,17 +192,27 @@ class RedisClusterNodes:
     """A Redis Cluster of ``masters`` masters (no replicas) on loopback, built with redis-cli.
 
     Every node runs with a short ``cluster-node-timeout`` (failures are noticed
-    in about a second) and ``cluster-require-full-coverage no`` (the surviving
-    masters keep serving their slots when one dies, as a cache cluster would).
+    in about a second) and, unless ``full_coverage``, ``cluster-require-full-coverage
+    no`` (the surviving masters keep serving their slots when one dies, as a
+    cache cluster would; with it, the whole cluster answers CLUSTERDOWN).
     """
 
-    def __init__(self, binary: str, cli: str, workdir: Path, masters: int = 3) -> None:
+    def __init__(
+        self,
+        binary: str,
+        cli: str,
+        workdir: Path,
+        masters: int = 3,
+        full_coverage: bool = False,
+    ) -> None:
         self.cli = cli
         self.nodes: list[RedisServer] = []
         for i in range(masters):
             d = workdir / f"cluster{i}"
             d.mkdir(parents=True, exist_ok=True)
-            self.nodes.append(_ClusterNode(binary, d, port=free_cluster_port()))
+            node = _ClusterNode(binary, d, port=free_cluster_port())
+            node.full_coverage = full_coverage
+            self.nodes.append(node)
 
     @property
     def url(self) -> str:
@@ -263,24 +273,53 @@ class RedisClusterNodes:
 
 
 class _ClusterNode(RedisServer):
+    full_coverage = False
+
     def _args(self) -> list[str]:
         return [
             *super()._args(),
             "--cluster-enabled", "yes",
             "--cluster-config-file", str(self.workdir / "nodes.conf"),
             "--cluster-node-timeout", "1000",
-            "--cluster-require-full-coverage", "no",
+            "--cluster-require-full-coverage", "yes" if self.full_coverage else "no",
         ]  # fmt: skip
 
 
+class RedisClusterFactory:
+    """Starts clusters on demand; every one is killed at teardown."""
+
+    def __init__(self, binary: str, cli: str, tmp_path: Path) -> None:
+        self.binary, self.cli, self.tmp_path = binary, cli, tmp_path
+        self.clusters: list[RedisClusterNodes] = []
+
+    def __call__(self, masters: int = 3, full_coverage: bool = False) -> RedisClusterNodes:
+        workdir = self.tmp_path / f"rc{len(self.clusters)}"
+        cluster = RedisClusterNodes(self.binary, self.cli, workdir, masters, full_coverage)
+        self.clusters.append(cluster)
+        return cluster.start()
+
+    def close(self) -> None:
+        for c in self.clusters:
+            c.kill()
+
+
 @pytest.fixture
-def redis_cluster(tmp_path: Path) -> Iterator[RedisClusterNodes]:
-    """A fresh 3-master cluster for one test (skipped without redis-server and redis-cli)."""
+def redis_cluster_factory(tmp_path: Path) -> Iterator[RedisClusterFactory]:
+    """Clusters on demand (skipped without redis-server and redis-cli)."""
     binary, cli = find_server_binary(), find_cli_binary()
     if binary is None or cli is None:
-        pytest.skip("Redis Cluster tests need redis-server and redis-cli (apt-get install redis)")
-    cluster = RedisClusterNodes(binary, cli, tmp_path)
+        pytest.skip(
+            "Redis Cluster tests need redis-server and redis-cli (apt-get install redis-server "
+            "redis-tools)"
+        )
+    factory = RedisClusterFactory(binary, cli, tmp_path)
     try:
-        yield cluster.start()
+        yield factory
     finally:
-        cluster.kill()
+        factory.close()
+
+
+@pytest.fixture
+def redis_cluster(redis_cluster_factory: RedisClusterFactory) -> RedisClusterNodes:
+    """A fresh 3-master cluster for one test."""
+    return redis_cluster_factory()
