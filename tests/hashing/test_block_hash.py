@@ -164,3 +164,14 @@ def test_bad_block_size() -> None:
 def test_xxhash64_is_8_bytes_and_generic_objects_work() -> None:
     assert len(xxhash64((b"a", (1,), None))) == 8
     assert xxhash64("seed") == xxhash64("seed")
+
+
+def test_none_hash_seed_is_random(monkeypatch) -> None:
+    from kvoffload.hashing import none_hash_seed_is_random
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert none_hash_seed_is_random("xxhash64") and none_hash_seed_is_random(xxhash128)
+    assert not none_hash_seed_is_random("sha256")
+    assert not none_hash_seed_is_random("xxhash", "5")
+    monkeypatch.setenv("PYTHONHASHSEED", "1")
+    assert not none_hash_seed_is_random("xxhash_cbor")

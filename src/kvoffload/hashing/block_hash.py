@@ -146,6 +146,19 @@ def resolve_none_hash_seed(hash_fn: str | HashFunction, seed: str | None = None)
     return DEFAULT_NONE_HASH_SEED
 
 
+def none_hash_seed_is_random(hash_fn: str | HashFunction, seed: str | None = None) -> bool:
+    """Whether ``resolve_none_hash_seed(hash_fn, seed)`` draws a fresh random seed.
+
+    Then no other process (nor this one after a restart) shares the chain's
+    hashes, so persistent tiers cannot serve its blocks later.
+    """
+    return (
+        seed is None
+        and os.getenv(SEED_ENV_VAR) is None
+        and _as_hash_fn(hash_fn) in NON_CRYPTO_HASH_FUNCTIONS
+    )
+
+
 def make_none_hash(hash_fn: str | HashFunction, seed: str | None = None) -> BlockHash:
     """The parent hash of every chain's first block: ``hash_fn(resolved seed)``.
 
