@@ -189,11 +189,14 @@ def test_disk_tier_serves_after_cpu_eviction_with_events_from_vllms_publisher(
     rig.shutdown()
 
 
-def test_failed_lower_tier_read_is_recomputed_not_fatal(tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_failed_lower_tier_read_goes_to_vllms_load_failure_recovery(
+    tmp_path: Path, policy: str
+) -> None:
     disk = tmp_path / "disk"
     disk.mkdir()
     extra = {"cpu_bytes": 6 * BLOCK_BYTES, "disk_dir": str(disk), "disk_bytes": "1MiB"}
-    rig = VLLMRig.build(tmp_path, extra_config=extra, recompute_failed_loads=True)
+    rig = VLLMRig.build(tmp_path, extra_config=extra, recompute_failed_loads=policy == "recompute")
     rig.add(PROMPT, req_id="first")
     rig.run()
     flood(rig)
@@ -204,17 +207,38 @@ def test_failed_lower_tier_read_is_recomputed_not_fatal(tmp_path: Path) -> None:
     assert rig.kv_worker.failed_jobs == 1
     assert rig.manager.failed_loads == 1
     finished = {
-        o.request_id: o.finish_reason
+        o.request_id: str(o.finish_reason)
         for outs in rig.outputs
         for eco in outs.values()
         for o in eco.outputs
         if o.finished
     }
-    assert "again" in finished and str(finished["again"]) != "error"
+    # recompute: served after recomputing; fail: that request errors, the engine goes on.
+    assert ("error" in finished["again"].lower()) == (policy == "fail")
+    assert rig.mismatches == []
     assert_no_leaks(rig)
-    # The unreadable blocks are gone from every tier: the next request misses cleanly.
+    # The unreadable blocks are gone from every tier: the same prefix now misses cleanly.
+    rig.add([*PROMPT, 9], req_id="later")
+    rig.run()
+    assert rig.kv_worker.failed_jobs == 1
     tiered = rig.manager.tiered
     assert tiered is not None and tiered.hit_blocks_by_medium().get("DISK", 0) == 0
+    assert_no_leaks(rig)
+    rig.shutdown()
+
+
+def test_reset_prefix_cache_clears_kvoffloads_tiers(tmp_path: Path) -> None:
+    extra = {"cpu_bytes": 6 * BLOCK_BYTES, "disk_dir": str(tmp_path / "disk"), "disk_bytes": "1MiB"}
+    os.makedirs(extra["disk_dir"])
+    rig = VLLMRig.build(tmp_path, extra_config=extra)
+    rig.add(PROMPT, req_id="first")
+    rig.run()
+    flood(rig)
+    assert rig.scheduler.reset_prefix_cache(reset_connector=True)
+    rig.add([*PROMPT, 5, 6], req_id="again")
+    rig.run()
+    assert rig.first_computed["again"] == 0
+    assert_no_leaks(rig)
     rig.shutdown()
 
 

@@ -294,8 +294,8 @@ class VLLMRig:
     def _verify_done(self, job_ids: list[int]) -> None:
         for job_id in job_ids:
             load = self._pending.pop(job_id, None)
-            if load is None:
-                continue
+            if load is None or job_id in self.kv_worker.failed_job_ids:
+                continue  # a failed load's blocks go to vLLM's recovery, not to the model
             for block_id, block_hash in zip(load.gpu_blocks, load.hashes):
                 self._check_block(load.req_id, block_id, block_hash)
 
@@ -346,7 +346,11 @@ class VLLMRig:
         for n in range(max_steps):
             if not self.scheduler.has_requests() and not self._transfers_in_flight():
                 return n
-            self.step()
+            output = self.step()
+            if not output.total_num_scheduled_tokens and self.worker_connector is not None:
+                # Nothing to compute: only transfers can make progress. Wait for them
+                # instead of spinning, so the step count does not depend on I/O speed.
+                assert self.kv_worker.wait_all(timeout=60), "transfers stuck for 60 s"
         raise AssertionError(f"engine still busy after {max_steps} steps")
 
     def _transfers_in_flight(self) -> bool:

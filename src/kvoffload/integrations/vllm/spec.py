@@ -40,7 +40,8 @@ from kvoffload.offload.tiered_manager import TieredOffloadingManager
 from kvoffload.transfer import HostPool, format_bytes
 from kvoffload.transfer.tiers import make_lower_tiers
 
-logger = logging.getLogger(__name__)
+# Under "vllm." so that vLLM's logging configuration shows these lines.
+logger = logging.getLogger("vllm.kvoffload")
 
 _registry_lock = threading.Lock()
 _tiered_by_engine: dict[str, TieredOffloadingManager] = {}

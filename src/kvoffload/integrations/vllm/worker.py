@@ -48,7 +48,8 @@ if TYPE_CHECKING:
     # The tiers module imports the Redis client; the CPU-only worker must not need it.
     from kvoffload.transfer.tiers import LowerTiers
 
-logger = logging.getLogger(__name__)
+# Under "vllm." so that vLLM's logging configuration shows these lines.
+logger = logging.getLogger("vllm.kvoffload")
 
 GPU, CPU = "GPU", "CPU"
 
@@ -125,6 +126,7 @@ class KVOffloadWorker(OffloadingWorker):
         self.bytes_loaded = 0
         self.bytes_stored = 0
         self.failed_jobs = 0
+        self.failed_job_ids: set[int] = set()
 
     @staticmethod
     def _gpu(spec: GPULoadStoreSpec) -> KVGPUSpec:
@@ -168,6 +170,7 @@ class KVOffloadWorker(OffloadingWorker):
             success = r.success
             if not success:
                 self.failed_jobs += 1
+                self.failed_job_ids.add(r.job_id)
                 kind = "load" if job is not None and job.is_load else "store"
                 logger.warning("kvoffload: %s job %d failed: %s", kind, r.job_id, r.error)
                 if job is not None and self.recover_failed_loads:
@@ -184,6 +187,14 @@ class KVOffloadWorker(OffloadingWorker):
 
     def wait(self, job_ids: set[int]) -> None:
         self.worker.wait(job_ids)
+
+    def in_flight_job_ids(self) -> set[int]:
+        """Jobs submitted whose results ``get_finished`` has not returned yet."""
+        return set(self._jobs)
+
+    def wait_all(self, timeout: float | None = None) -> bool:
+        """Block until every job in flight has finished; False if ``timeout`` expired first."""
+        return self.worker.wait(list(self._jobs), timeout)
 
     def take_load_error_blocks(self) -> set[int]:
         """GPU block ids whose load failed since the last call (vLLM recomputes them)."""
