@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvoffload.offload import OffloadingEvent
+from kvoffload.offload import OffloadingEvent, OffloadKey
 from kvoffload.offload.disk_manager import DiskOffloadingManager
 from kvoffload.offload.lower_tier import DiskLoadStoreSpec
 from tests.offload.keyutil import key, keys
@@ -182,3 +182,33 @@ def test_forced_reset_drops_busy_keys() -> None:
     assert m.num_free_blocks() == 2 and m.ref_count(key(1)) == 0
     m.complete_store(keys(2))  # stale: ignored
     assert m.lookup(keys(2)) == 0
+
+
+def test_reset_with_a_real_disk_store_survives_a_restart(tmp_path) -> None:
+    """Wired to ``DiskBlockStore.clear``: a re-opened store restores nothing from before."""
+    import numpy as np
+
+    from kvoffload.transfer.disk_store import DiskBlockStore
+
+    def open_store() -> DiskBlockStore:
+        return DiskBlockStore(tmp_path, 4096, 4, "geom=test", hash_fn="sha256")
+
+    store = open_store()
+    m = DiskOffloadingManager(4, restored=[], clear_store=store.clear)
+    out = m.prepare_store(keys(1, 2))
+    assert out is not None
+    data = np.ones((2, 4096), dtype=np.uint8)
+    assert store.put(out.keys_to_store, data, out.store_spec.block_ids.tolist()) == [True, True]  # type: ignore[attr-defined]
+    m.complete_store(out.keys_to_store)
+    store.close()
+    store = open_store()
+    assert len(store.entries()) == 2  # what a restart would restore before the reset
+    m = DiskOffloadingManager(
+        4, restored=[(OffloadKey(e.key), e.slot) for e in store.entries()], clear_store=store.clear
+    )
+    assert m.lookup(keys(1, 2)) == 2
+    assert m.reset_cache() is True
+    store.close()
+    store = open_store()
+    assert store.entries() == []
+    store.close()
