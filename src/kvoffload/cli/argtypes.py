@@ -259,3 +259,23 @@ def output_dir(text: str) -> Path:
     if os.path.exists(text) and not os.path.isdir(text):
         raise _fail(f"{text!r} exists and is not a directory")
     return Path(text)
+
+
+def zmq_connect_endpoint(text: str) -> str:
+    """A ZMQ endpoint to connect to; a ``tcp://`` host must resolve (ZMQ would retry for ever)."""
+    text = zmq_endpoint(text)
+    transport, _, address = text.partition("://")
+    if transport == "tcp":
+        host, sep, port = address.rpartition(":")
+        if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+            raise _fail(f"not a ZMQ endpoint: {text!r} (expected tcp://host:port)")
+        host = host.strip("[]")
+        if host in ("*", ""):
+            raise _fail(f"cannot connect to {text!r}: give a host, not a wildcard")
+        import socket
+
+        try:
+            socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as exc:
+            raise _fail(f"cannot resolve the host of {text!r} ({exc})") from None
+    return text

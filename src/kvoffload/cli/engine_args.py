@@ -159,7 +159,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
     }
     fields.update(overrides)
     config = EngineConfig(**fields)  # type: ignore[arg-type]
-    from kvoffload.cli.preflight import check_engine_memory
+    from kvoffload.cli.preflight import check_engine_config
 
-    check_engine_memory(config)  # refuse tiers that cannot fit before allocating
+    check_engine_config(config)  # refuse what cannot work before allocating anything
     return config

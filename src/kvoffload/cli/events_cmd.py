@@ -31,13 +31,13 @@ _POLL_S = 0.25
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--endpoint",
-        type=argtypes.zmq_endpoint,
+        type=argtypes.zmq_connect_endpoint,
         default="tcp://127.0.0.1:5557",
         help="the publisher's PUB endpoint (default: %(default)s)",
     )
     parser.add_argument(
         "--replay-endpoint",
-        type=argtypes.zmq_endpoint,
+        type=argtypes.zmq_connect_endpoint,
         default=None,
         help="the publisher's ROUTER replay endpoint; without it gaps are only reported",
     )

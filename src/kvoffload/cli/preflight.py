@@ -54,3 +54,51 @@ def check_engine_memory(config: EngineConfig) -> None:
         + ")"
     )
     check_fits_in_memory(what, engine_memory_bytes(config))
+
+
+def check_redis_reachable(url: str, timeout_s: float = 3.0) -> None:
+    """``ValueError`` in one line when the Redis at ``url`` cannot be used at all.
+
+    Unreachable, refusing the credentials, or without the database asked for:
+    each is a mistake in the command line, so it is refused at start-up (an
+    outage later in a run only costs misses). Cluster URLs are left to the
+    cluster client.
+    """
+    if "+cluster" in url.split("://", 1)[0]:
+        return
+    import redis
+
+    from kvoffload.transfer.redis_store import redact_url
+
+    shown = redact_url(url)
+    try:
+        client = redis.Redis.from_url(
+            url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
+        )
+    except (ValueError, redis.RedisError) as exc:
+        raise ValueError(f"bad Redis URL {shown}: {exc}") from None
+    try:
+        client.ping()
+    except redis.AuthenticationError as exc:
+        raise ValueError(f"Redis at {shown} rejected the credentials ({exc})") from None
+    except redis.ConnectionError as exc:
+        raise ValueError(f"cannot reach Redis at {shown} ({exc})") from None
+    except redis.ResponseError as exc:
+        text = str(exc)
+        if "NOAUTH" in text or "AUTH" in text.upper().split(" ")[0]:
+            raise ValueError(
+                f"Redis at {shown} needs a password: give it in the URL "
+                "(redis://:PASSWORD@host:port/db)"
+            ) from None
+        raise ValueError(f"Redis at {shown} refused the connection ({text})") from None
+    except redis.RedisError as exc:
+        raise ValueError(f"Redis at {shown} is not usable ({exc})") from None
+    finally:
+        client.close()
+
+
+def check_engine_config(config: EngineConfig) -> None:
+    """Every start-up check: memory for the KV tiers, and a reachable Redis when one is given."""
+    check_engine_memory(config)
+    if config.redis_url is not None and config.offload_enabled:
+        check_redis_reachable(config.redis_url)
