@@ -19,6 +19,7 @@ from kvoffload.offload.policies import (
     register_policy,
 )
 from kvoffload.offload.policies.admission import AdmitARCPolicy, AdmitLRUPolicy, SecondSightPolicy
+from kvoffload.offload.policies.duel import DuelChainLRUPolicy
 from tests.offload.keyutil import key, keys
 
 
@@ -29,9 +30,10 @@ def one_by_one(policy: CachePolicy, *ids: int) -> None:
 
 def test_registry_knows_every_policy() -> None:
     names = {"lru", "lru_flat", "chain_lru", "arc", "s3fifo", "sieve", "arc_admit", "lru_admit"}
+    names.add("chain_duel")
     assert names <= set(policy_names())
     assert isinstance(make_policy("arc", 4), ARCPolicy)
-    with pytest.raises(ValueError, match="known: arc, arc_admit, chain_lru"):
+    with pytest.raises(ValueError, match="known: arc, arc_admit, chain_duel"):
         make_policy("lfu", 4)
     with pytest.raises(ValueError, match="capacity"):
         make_policy("lru", 0)
@@ -332,8 +334,47 @@ def test_clear_forgets_everything(name: str) -> None:
     assert len(p) == 4 and len(store(p, [5])) == 1
 
 
+def request(policy: CachePolicy, ids: list[int]) -> None:
+    """Read ``ids`` as a connector does: the leading resident ones hit, the rest are stored."""
+    n = 0
+    while n < len(ids) and key(ids[n]) in policy:
+        n += 1
+    if n:
+        policy.access(keys(*ids[:n]))
+    store(policy, ids[n:])
+
+
+def test_duel_admits_everything_while_the_admitting_shadow_loses() -> None:
+    p = DuelChainLRUPolicy(8)  # a small tier: the shadows see every key
+    assert p.rate_mask == 0 and not p.admit_all()
+    for _ in range(3):  # keys read again right away: admission only loses hits
+        for i in range(0, 40, 2):
+            request(p, [i, i + 1])
+            request(p, [i, i + 1])
+    assert p.score > 0 and p.admit_all()
+    store(p, [100])
+    assert key(100) in p.inner  # admitted on its first sighting
+
+
+def test_duel_turns_admission_on_under_scans() -> None:
+    p = DuelChainLRUPolicy(8)
+    hot = list(range(4))
+    for n in range(30):  # a hot set between one-off scans longer than the tier
+        request(p, hot)
+        request(p, [1000 + 10 * n + j for j in range(4)])
+        request(p, [5000 + 10 * n + j for j in range(4)])
+    assert p.score < 0 and not p.admit_all()
+    assert all(key(i) in p for i in hot)
+
+
 class SmallHistory(AdmitARCPolicy):
     name = "arc_admit_small_history"
+    min_history = 6
+    history_factor = 1
+
+
+class SmallHistoryDuel(DuelChainLRUPolicy):
+    name = "chain_duel_small_history"
     min_history = 6
     history_factor = 1
 
@@ -349,9 +390,11 @@ class AdmissionMachine(RuleBasedStateMachine):
     them, disjointly; ghosts and history stay within their bounds.
     """
 
+    cls: type[SecondSightPolicy] = SmallHistory
+
     def __init__(self) -> None:
         super().__init__()
-        self.policy = SmallHistory(CAPACITY)
+        self.policy = self.cls(CAPACITY)
         self.resident: set[bytes] = set()
         self.pinned: set[bytes] = set()
 
@@ -416,5 +459,13 @@ class AdmissionMachine(RuleBasedStateMachine):
         assert not (set(p.ghost_rejects) | set(p.ghost_inner)) & self.resident
 
 
+class DuelMachine(AdmissionMachine):
+    """chain_duel against the same model (its reject share stays 0)."""
+
+    cls = SmallHistoryDuel
+
+
 TestAdmissionMachine = AdmissionMachine.TestCase
-TestAdmissionMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestAdmissionMachine.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
+TestDuelMachine = DuelMachine.TestCase
+TestDuelMachine.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)

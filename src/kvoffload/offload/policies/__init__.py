@@ -1,11 +1,14 @@
 """Cache policies of a tier, by name.
 
-``lru``, ``lru_flat``, ``chain_lru``, ``arc``, ``s3fifo``, ``sieve``; see ``registry``.
+``lru``, ``lru_flat``, ``chain_lru``, ``arc``, ``s3fifo``, ``sieve``, ``arc_admit``,
+``lru_admit``, ``chain_duel``; see ``registry``.
 """
 
+from kvoffload.offload.policies.admission import AdmitARCPolicy, AdmitLRUPolicy
 from kvoffload.offload.policies.arc import ARCPolicy
 from kvoffload.offload.policies.base import CachePolicy
 from kvoffload.offload.policies.chain_lru import ChainLRUPolicy
+from kvoffload.offload.policies.duel import DuelChainLRUPolicy
 from kvoffload.offload.policies.lru import FlatLRUPolicy, LRUPolicy
 from kvoffload.offload.policies.registry import (
     POLICIES,
@@ -19,8 +22,11 @@ from kvoffload.offload.policies.sieve import SievePolicy
 __all__ = [
     "POLICIES",
     "ARCPolicy",
+    "AdmitARCPolicy",
+    "AdmitLRUPolicy",
     "CachePolicy",
     "ChainLRUPolicy",
+    "DuelChainLRUPolicy",
     "FlatLRUPolicy",
     "LRUPolicy",
     "S3FIFOPolicy",

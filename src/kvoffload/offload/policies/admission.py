@@ -35,6 +35,7 @@ class SecondSightPolicy(CachePolicy):
     inner_cls: ClassVar[type[CachePolicy]]
     history_factor: ClassVar[int] = 4
     min_history: ClassVar[int] = 64_000
+    adaptive_share: ClassVar[bool] = True  # ARC-style target share of the rejects
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
@@ -93,6 +94,10 @@ class SecondSightPolicy(CachePolicy):
                 if k not in self.inner:
                     rejects[k] = None
 
+    def admit_all(self) -> bool:
+        """Whether every new key goes straight to the inner policy (subclasses decide)."""
+        return False
+
     def _adapt(self, key: OffloadKey) -> None:
         gr, gi = self.ghost_rejects, self.ghost_inner
         if key in gr:
@@ -112,14 +117,19 @@ class SecondSightPolicy(CachePolicy):
     def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
         history, admit = self.history, self._admit
         admitted = []
+        everyone = self.admit_all()
         for k in incoming:
-            self._adapt(k)
+            if self.adaptive_share:
+                self._adapt(k)
             if k in history:
-                admitted.append(k)
-                admit.add(k)
                 history.move_to_end(k)
+            elif not everyone:
+                history[k] = None
+                continue
             else:
                 history[k] = None
+            admitted.append(k)
+            admit.add(k)
         while len(history) > self._history_size:
             history.popitem(last=False)
         if len(admit) > self._history_size:
@@ -132,14 +142,15 @@ class SecondSightPolicy(CachePolicy):
         k = min(n, max(0, len(rejects) - int(self.target)))
         k = max(k, n - inner.num_evictable())
         victims = [rejects.popitem(last=False)[0] for _ in range(k)]
-        self._ghost(self.ghost_rejects, victims, self.capacity)
         rest = inner.evict(n - k, admitted)
-        self._ghost(self.ghost_inner, rest, self.capacity)
+        if self.adaptive_share:
+            self._ghost(self.ghost_rejects, victims, self.capacity)
+            self._ghost(self.ghost_inner, rest, self.capacity)
         return victims + rest
 
 
 class AdmitARCPolicy(SecondSightPolicy):
-    """ARC behind second-sighting admission: the default (see ``kvoffload bench offload``)."""
+    """ARC behind second-sighting admission."""
 
     name = "arc_admit"
     inner_cls = ARCPolicy

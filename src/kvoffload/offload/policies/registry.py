@@ -6,6 +6,7 @@ from kvoffload.offload.policies.admission import AdmitARCPolicy, AdmitLRUPolicy
 from kvoffload.offload.policies.arc import ARCPolicy
 from kvoffload.offload.policies.base import CachePolicy
 from kvoffload.offload.policies.chain_lru import ChainLRUPolicy
+from kvoffload.offload.policies.duel import DuelChainLRUPolicy
 from kvoffload.offload.policies.lru import FlatLRUPolicy, LRUPolicy
 from kvoffload.offload.policies.s3fifo import S3FIFOPolicy
 from kvoffload.offload.policies.sieve import SievePolicy
@@ -31,6 +32,7 @@ for _cls in (
     SievePolicy,
     AdmitARCPolicy,
     AdmitLRUPolicy,
+    DuelChainLRUPolicy,
 ):
     register_policy(_cls)
 
