@@ -21,6 +21,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvoffload.integrations.vllm import KVOffloadConfigError  # noqa: E402
+from kvoffload.transfer.disk_store import DiskStoreMismatchError  # noqa: E402
 from tests.conftest_redis import free_port  # noqa: E402
 from tests.integrations.vllm_rig import BLOCK_SIZE, VLLMRig  # noqa: E402
 
@@ -189,6 +190,48 @@ def test_disk_tier_serves_after_cpu_eviction_with_events_from_vllms_publisher(
     rig.shutdown()
 
 
+@pytest.mark.redis
+def test_redis_tier_serves_after_cpu_eviction_with_remote_events(
+    tmp_path: Path, redis_server
+) -> None:
+    port = free_port()
+    extra = {"cpu_bytes": 6 * BLOCK_BYTES, "redis_url": redis_server.url}
+    rig = VLLMRig.build(tmp_path, extra_config=extra, kv_events_endpoint=f"tcp://*:{port}")
+    sock = _subscribe(f"tcp://127.0.0.1:{port}")
+    try:
+        assert evict_and_return(rig) == len(PROMPT)
+        events = _drain(sock, msgspec.msgpack.Decoder(type=KVEventBatch))
+    finally:
+        sock.close(linger=0)
+    tiered = rig.manager.tiered
+    assert tiered is not None and tiered.hit_blocks_by_medium().get("REMOTE") == PROMPT_BLOCKS
+    assert rig.mismatches == [] and rig.bytes_verified == PROMPT_BLOCKS * BLOCK_BYTES
+    stored = {(e.medium, e.locality, e.ownership) for e in events if isinstance(e, BlockStored)}
+    assert ("STORAGE", "REMOTE", "REMOTE") in stored
+    assert_no_leaks(rig)
+    rig.shutdown()
+
+
+def test_write_through_puts_every_stored_block_on_disk(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    extra = {
+        "cpu_bytes": "1MiB",
+        "disk_dir": str(disk),
+        "disk_bytes": "1MiB",
+        "write_through": True,
+    }
+    rig = VLLMRig.build(tmp_path, extra_config=extra)
+    rig.add(PROMPT, req_id="first")
+    rig.run()
+    tiered = rig.manager.tiered
+    assert tiered is not None
+    (disk_tier,) = tiered.lower
+    assert disk_tier.num_stored_blocks() == PROMPT_BLOCKS  # no CPU eviction needed
+    assert_no_leaks(rig)
+    rig.shutdown()
+
+
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_failed_lower_tier_read_goes_to_vllms_load_failure_recovery(
     tmp_path: Path, policy: str
@@ -266,3 +309,19 @@ def test_bad_extra_config_fails_at_start_up_with_one_line(
 def test_unknown_key_through_the_stock_connector(tmp_path: Path) -> None:
     with pytest.raises(KVOffloadConfigError, match="'cpu_bytez'"):
         VLLMRig.build(tmp_path, extra_config={**STOCK_SPEC, "cpu_bytez": "1MiB"}, connector=STOCK)
+
+
+def test_a_disk_tier_written_for_another_model_is_refused_at_start_up(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    extra = {"cpu_bytes": "1MiB", "disk_dir": str(disk), "disk_bytes": "1MiB"}
+    rig = VLLMRig.build(tmp_path / "model-a", extra_config=extra)
+    rig.add(PROMPT, req_id="first")
+    rig.run()
+    rig.shutdown()
+    # Same geometry, another model (its path is its name): its blocks are not ours.
+    with pytest.raises(DiskStoreMismatchError, match="model-b") as info:
+        VLLMRig.build(tmp_path / "model-b", extra_config=extra)
+    assert "\n" not in str(info.value)
+    # The same model again reopens the tier.
+    VLLMRig.build(tmp_path / "model-a", extra_config=extra).shutdown()

@@ -155,7 +155,12 @@ class KVOffloadSpec(OffloadingSpec):
             with _registry_lock:
                 _tiered_by_engine[self.config.engine_id] = lower.manager
         return KVOffloadWorker(
-            layout, views, host_pool, lower, recover_failed_loads=self.recover_failed_loads
+            layout,
+            views,
+            host_pool,
+            lower,
+            recover_failed_loads=self.recover_failed_loads,
+            on_shutdown=self.shutdown_tiers if lower is not None else None,
         )
 
     def _tier_args(self) -> dict[str, Any]:

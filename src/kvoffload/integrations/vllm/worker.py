@@ -26,6 +26,7 @@ was never written.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -108,12 +109,14 @@ class KVOffloadWorker(OffloadingWorker):
         lower: LowerTiers | None = None,
         recover_failed_loads: bool = False,
         num_threads: int = 2,
+        on_shutdown: Callable[[], None] | None = None,
     ) -> None:
         self.layout = layout
         self.gpu_tensors = gpu_tensors
         self.host_pool = host_pool
         self.lower = lower
         self.recover_failed_loads = recover_failed_loads
+        self.on_shutdown = on_shutdown
         self.worker = KVWorker()
         handler = make_cpu_gpu_handler(gpu_tensors, layout, host_pool, num_threads)
         self.worker.register_handler(GPU, CPU, handler)
@@ -213,3 +216,5 @@ class KVOffloadWorker(OffloadingWorker):
         self.worker.close()
         if self.lower is not None:
             self.lower.close()
+        if self.on_shutdown is not None:
+            self.on_shutdown()
