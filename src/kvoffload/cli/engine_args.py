@@ -89,7 +89,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy",
         dest="cache_policy",
         default=None,
-        help="CPU-tier cache policy (default: the best measured one)",
+        help="CPU-tier cache policy (default: chain_duel, chain-aware LRU that stores a "
+        "block only on its second sighting while a sampled shadow duel shows that pays: on "
+        "`kvoffload bench offload` it beats LRU/ARC where most blocks are used once, e.g. "
+        "the Mooncake trace, and matches LRU on chat-like traces, within 0.3 points)",
     )
     o.add_argument(
         "--disk-dir",
