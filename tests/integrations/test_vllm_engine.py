@@ -325,3 +325,15 @@ def test_a_disk_tier_written_for_another_model_is_refused_at_start_up(tmp_path: 
     assert "\n" not in str(info.value)
     # The same model again reopens the tier.
     VLLMRig.build(tmp_path / "model-a", extra_config=extra).shutdown()
+
+
+def test_frontend_prometheus_metrics_describe_kvoffloads_spec(tmp_path: Path) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    from kvoffload.integrations.vllm import KVOffloadSpec
+    from tests.integrations.vllm_rig import vllm_config, write_tiny_llama
+
+    config = vllm_config(write_tiny_llama(tmp_path / "m"), 12, {"cpu_bytes": "1MiB"})
+    prom = KVConnectorProm(config, ["model_name", "engine"], {0: ["tiny", "0"]})
+    assert prom.prom_metrics is not None
+    assert prom.prom_metrics._spec_cls is KVOffloadSpec  # what vLLM reads

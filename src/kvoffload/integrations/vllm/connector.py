@@ -77,6 +77,25 @@ class KVOffloadConnector(OffloadingConnector):
             assert isinstance(spec, KVOffloadSpec)
             spec.recover_failed_loads = True
 
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: Any,
+        per_engine_labelvalues: Any,
+    ) -> Any:
+        # The frontend builds these from the config alone, without an instance:
+        # point it at KVOffloadSpec there too, or it would describe vLLM's CPU spec.
+        transfer = vllm_config.kv_transfer_config
+        if transfer is not None:
+            if transfer.kv_connector_extra_config is None:
+                transfer.kv_connector_extra_config = {}
+            select_spec(transfer.kv_connector_extra_config)
+        return super().build_prom_metrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
+
     # -- worker side -------------------------------------------------------------
 
     @property
