@@ -5,8 +5,10 @@ where most new blocks are never read again (one-off prompts, long unique
 suffixes) and loses where nearly every block is read again soon (a chat's
 next turn reads all of this turn): there, the first reuse of every block is
 lost. Which case holds changes with the workload, so two small shadow caches
-replay a fixed sample of the keys (by a hash byte: 1 key in ``rate``, at
-``capacity / rate`` slots): an LRU that admits everything and an LRU with
+replay a fixed sample of the keys (1 key in ``rate`` by a byte of its hash,
+at ``capacity / rate`` slots; ``rate`` is a power of two up to 16 that leaves
+each shadow ``min_shadow`` slots or more, 1 for small tiers): an LRU that
+admits everything and an LRU with
 second-sighting admission. A decayed difference of their hits decides, at
 each store, whether new keys are admitted at once (as plain LRU does) or only
 on their second sighting. This is set dueling (Qureshi et al., ISCA 2007);
@@ -66,11 +68,16 @@ class DuelingAdmission(SecondSightPolicy):
     """Second-sighting admission in front of ``inner_cls``, on only while it wins the duel."""
 
     adaptive_share = False
+    max_rate = 16  # sample at most 1 key in 16 ...
+    min_shadow = 128  # ... keeping at least this many slots per shadow (less noise)
+    margin = 0.0  # admit everything only while the duel score exceeds this
     window = 32.0  # decay of the duel score, in shadow capacities' worth of sampled reads
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        rate = 16 if capacity >= 16 * 64 else 8 if capacity >= 8 * 32 else 1
+        rate = 1
+        while rate < self.max_rate and capacity // (2 * rate) >= self.min_shadow:
+            rate *= 2
         self.rate_mask = rate - 1
         shadow_cap = max(1, capacity // rate)
         history = max(1, self._history_size // rate)
@@ -89,7 +96,7 @@ class DuelingAdmission(SecondSightPolicy):
         self.score = score
 
     def admit_all(self) -> bool:
-        return self.score > 0.0
+        return self.score > self.margin
 
     def access(self, keys: Sequence[OffloadKey]) -> None:
         self._observe(keys)
