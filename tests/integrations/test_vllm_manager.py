@@ -189,3 +189,19 @@ def test_reset_cache_forgets_every_tier_and_in_flight_job() -> None:
     assert (Medium.CPU, None) in removed and (Medium.STORAGE, "DISK") in removed
     store(m, [key(4)])
     assert m.lookup(key(4), ctx()) is HIT
+
+
+def test_a_block_lost_between_lookup_and_load_gives_a_failing_job_not_an_exception() -> None:
+    m = tiered(n_cpu=2)
+    store(m, [key(1), key(2)])
+    store(m, [key(3), key(4)])  # keys 1 and 2 only on disk now
+    r = ctx("a")
+    assert m.lookup(key(1), r) is HIT
+    assert m.tiered is not None
+    m.tiered.lower[0].drop([key(1)])  # e.g. a Redis key expired meanwhile
+    spec = m.prepare_load([key(1)], r)
+    assert getattr(spec.inner, "error", None)  # the worker fails it without copying
+    m.note_failed([spec.op_id])
+    m.complete_load({key(1)}, r)
+    assert m.failed_loads == 1 and m.num_in_flight() == 0
+    assert m.cpu.num_evictable_blocks() == m.cpu.num_stored_blocks()

@@ -29,6 +29,7 @@ anyway by asserting on every transfer result.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -49,8 +50,11 @@ from vllm.v1.kv_offload.base import (
 
 from kvoffload.offload import CPULoadStoreSpec, CPUOffloadingManager
 from kvoffload.offload import OffloadingManager as KVOffloadingManager
-from kvoffload.offload.lower_tier import DISK_MEDIUM, REMOTE_MEDIUM
+from kvoffload.offload.lower_tier import DISK_MEDIUM, REMOTE_MEDIUM, TieredLoadStoreSpec
 from kvoffload.offload.tiered_manager import TieredOffloadingManager
+
+# Under "vllm." so that vLLM's logging configuration shows these lines.
+logger = logging.getLogger("vllm.kvoffload")
 
 #: kvoffload medium -> (vLLM medium, locality, ownership) in vLLM's KV events.
 #: The CPU tier is vLLM's primary tier (no ownership); lower tiers are
@@ -81,6 +85,8 @@ class KVOffloadJobSpec(LoadStoreSpec):
 class _Op:
     op_id: int
     keys: list[OffloadKey]
+    #: A load that could not be prepared: nothing was pinned, the worker fails it.
+    rejected: bool = False
 
 
 @dataclass
@@ -156,8 +162,18 @@ class KVOffloadManager(OffloadingManager):
         state = req_context.get_state(_RequestLookups)
         if state is not None:
             state.promotions.difference_update(ordered)
-        inner = self.inner.prepare_load(ordered)
         op = _Op(next(self._op_ids), ordered)
+        try:
+            inner = self.inner.prepare_load(ordered)
+        except ValueError as exc:
+            if self.tiered is None:
+                raise
+            # A lower tier lost a block since lookup() said HIT (a Redis key expired
+            # or was evicted by another instance). Nothing is pinned; the worker
+            # fails the job at once and vLLM's load-failure recovery takes over.
+            logger.warning("kvoffload: load of %d blocks rejected: %s", len(ordered), exc)
+            op.rejected = True
+            inner = TieredLoadStoreSpec(CPULoadStoreSpec([]), error=str(exc))
         self._loads.setdefault(frozenset(ordered), deque()).append(op)
         return KVOffloadJobSpec(inner, op.op_id)
 
@@ -189,8 +205,10 @@ class KVOffloadManager(OffloadingManager):
         op, ok = self._pop(self._loads, keys)
         if op is None:
             raise ValueError(f"complete_load of {len(keys)} keys that no prepare_load pinned")
-        if not ok:
+        if not ok or op.rejected:
             self.failed_loads += 1
+        if op.rejected:
+            return
         if self.tiered is not None:
             self.tiered.complete_load(op.keys, success=ok)
         else:
