@@ -337,3 +337,28 @@ def test_frontend_prometheus_metrics_describe_kvoffloads_spec(tmp_path: Path) ->
     prom = KVConnectorProm(config, ["model_name", "engine"], {0: ["tiny", "0"]})
     assert prom.prom_metrics is not None
     assert prom.prom_metrics._spec_cls is KVOffloadSpec  # what vLLM reads
+
+
+def test_stock_connector_stops_on_a_failed_load_as_documented(tmp_path: Path) -> None:
+    """vLLM's stock connector has no recovery channel: vLLM's own assertion fires."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    extra = {
+        **STOCK_SPEC,
+        "cpu_bytes": 6 * BLOCK_BYTES,
+        "disk_dir": str(disk),
+        "disk_bytes": "1MiB",
+    }
+    rig = VLLMRig.build(tmp_path, extra_config=extra, connector=STOCK)
+    rig.add(PROMPT, req_id="first")
+    rig.run()
+    flood(rig)
+    for slab in disk.rglob("slab-*.bin"):
+        slab.write_bytes(os.urandom(slab.stat().st_size))
+    rig.add([*PROMPT, 5, 6], req_id="again")
+    with pytest.raises(AssertionError) as info:
+        rig.run()
+    # Raised by vLLM's worker-side connector (``assert transfer_result.success``).
+    assert info.traceback[-1].path.name == "worker.py"
+    assert "offloading" in str(info.traceback[-1].path)
+    rig.shutdown()
