@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kvoffload.engine.attention import (
     KEY_CHUNK,
-    QUERY_PIECE,
+    QUERY_TILE,
     AttentionMetadata,
     check_kv_cache,
     paged_attention,
@@ -115,7 +115,7 @@ SPECS = [
     [(21, 1)],
     [(0, 40), (13, 1), (50, 7), (5, 0), (64, 16)],
     [(3, 2), (0, 17), (31, 33)],
-    [(0, 2 * QUERY_PIECE + 7), (100, QUERY_PIECE + 1), (KEY_CHUNK - 1, 1)],
+    [(0, 2 * QUERY_TILE * 16 + 7), (100, QUERY_TILE * 16 + 1), (KEY_CHUNK - 1, 1)],
 ]
 
 
@@ -182,21 +182,31 @@ def test_chunked_queries_equal_one_shot(dtype) -> None:
     assert torch.equal(torch.cat(outs), one_shot)
 
 
-def test_buckets_cover_every_row_once() -> None:
-    n = 2 * QUERY_PIECE + 5
+def test_plan_places_every_query_once_by_position() -> None:
+    n = 2 * KEY_CHUNK + 5
     bs = 16
     t0 = list(range(1, 1 + -(-n // bs)))
     t1 = [20, 21, 22]
     slots = [t0[p // bs] * bs + p % bs for p in range(n)] + [t1[39 // bs] * bs + 39 % bs]
     meta = AttentionMetadata.build([0, n, n + 1], [n, 40], [t0, t1], slots, bs)
-    rows = torch.cat([b.rows.reshape(-1)[b.valid] for b in meta.buckets])
-    positions = torch.cat([b.positions.reshape(-1)[b.valid] for b in meta.buckets])
+    plan = meta.plan
+    valid = plan.tile_positions >= 0
+    rows = plan.tile_rows[valid]
     assert sorted(rows.tolist()) == list(range(meta.num_tokens))
-    assert torch.equal(positions, meta.positions[rows])
-    for b in meta.buckets:
-        assert b.num_queries >= 2 and b.num_keys % KEY_CHUNK == 0
-        assert b.num_keys >= int(b.positions.max()) + 1
-        assert b.tables.shape[1] * bs >= b.num_keys
+    assert torch.equal(plan.tile_positions[valid], meta.positions[rows])
+    slot = torch.arange(QUERY_TILE).expand_as(plan.tile_positions)
+    assert torch.equal(plan.tile_positions[valid] % QUERY_TILE, slot[valid])
+    # Every tile gets its chunks 0..own, own chunk first; keys at row p % KEY_CHUNK.
+    own = plan.tile_positions.max(dim=1).values // KEY_CHUNK
+    chunks = plan.key_positions.max(dim=1).values // KEY_CHUNK
+    for t in range(plan.num_tiles):
+        mine = (plan.item_tiles == t).nonzero().flatten()
+        assert int(mine[0]) == t and int(chunks[t]) == int(own[t])
+        assert sorted(chunks[mine].tolist()) == list(range(int(own[t]) + 1))
+    has = plan.key_positions >= 0
+    assert torch.equal(
+        plan.key_positions[has] % KEY_CHUNK, torch.arange(KEY_CHUNK).expand_as(has)[has]
+    )
 
 
 def test_metadata_accepts_padded_tensor_tables() -> None:

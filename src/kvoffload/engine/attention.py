@@ -12,30 +12,38 @@ Batch invariance (why the kernel looks the way it does)
 The engine must produce bit-identical results for a token whatever else is in
 its batch and however its prefix was chunked, so that KV computed in one step,
 in another request's step, or copied back from a CPU tier are interchangeable.
-Softmax reductions normally sum in an order that depends on the row length,
-and GEMM kernels are chosen from the matrix shapes. So:
+A GEMM's summation order depends on its shape and on where an element sits in
+it (``kvoffload.engine.gemm``), so every GEMM here has a declared shape and
+every query and key a place fixed by its position:
 
-* each sequence's new tokens are cut into pieces of at most ``QUERY_PIECE``
-  queries; pieces are grouped in buckets by their query count (rounded up to
-  a power of two, at least 2) and key count (rounded up to a multiple of
-  ``KEY_CHUNK``). Padding query columns repeat a real query and are dropped;
-  padding keys are masked;
-* scores are one GEMM per (piece, KV head) with the keys as rows:
-  ``[keys, head_dim] @ [head_dim, queries * group]``. For attention's small
-  inner dimension (head_dim <= 256) CPU GEMMs give each element the same
-  value for any number of rows that is a multiple of 16 and any number of
-  columns >= 2 (``tests/engine/test_attention.py`` checks it);
-* the softmax max is exact in any order and exponentials are elementwise;
-  numerator and denominator come from one fixed-shape GEMM per chunk of
-  ``KEY_CHUNK`` keys (positions ``[c * KEY_CHUNK, (c + 1) * KEY_CHUNK)``),
-  ``[head_dim + 1, KEY_CHUNK] @ [KEY_CHUNK, queries * group]`` (a row of ones
-  appended to V gives the denominator), summed over chunks left to right.
-  Chunks past a query's position contribute exact zeros, so the padding never
-  changes a result. Hidden keys' probabilities are set to exactly 0 after
-  ``exp`` (whose input is floored where its result would be subnormal:
-  subnormals make ``exp`` an order of magnitude slower), so what a block's
-  unused slots hold never matters as long as it is finite (the cache starts
-  zeroed and only ever receives computed or copied KV).
+* a sequence's new queries are cut into tiles of ``QUERY_TILE`` aligned to
+  positions ``[t * QUERY_TILE, (t + 1) * QUERY_TILE)``; query ``p`` with query
+  head ``h`` is column ``(p % QUERY_TILE) * group + h % group`` of its tile
+  (other columns are padding: zero queries whose results are dropped);
+* keys are read in chunks of ``KEY_CHUNK`` positions ``[c * KEY_CHUNK, (c + 1)
+  * KEY_CHUNK)``; key ``p`` is row ``p % KEY_CHUNK`` (slots past the sequence
+  read block 0 and are masked);
+* a tile attends to chunks ``0..c*``, where ``c*`` holds the tile itself
+  (``QUERY_TILE`` divides ``KEY_CHUNK``); scores are one GEMM per (tile, KV
+  head, chunk), ``[KEY_CHUNK, D] @ [D, QUERY_TILE * group]``, and so are the
+  value sums, ``[QUERY_TILE * group, KEY_CHUNK] @ [KEY_CHUNK, D + 1]`` (a
+  column of ones appended to V gives the softmax denominator in the same
+  call); both run as ``gemm.batched_mm`` batches of the dtype's fixed size;
+* the softmax max is exact in any order and ``exp`` is elementwise; only the
+  tile's own chunk needs a causal mask, which depends only on the tile's
+  offset in its chunk: hidden keys get a huge negative bias before the max and
+  are multiplied by exactly 0 after ``exp`` (whose input is floored where its
+  result would be subnormal: subnormals make ``exp`` an order of magnitude
+  slower). So what unused slots hold never matters as long as it is finite
+  (the cache starts zeroed and only ever receives computed or copied KV);
+* each tile's per-chunk results are summed in chunk order ``0, 1, ..``,
+  whatever else is in the step.
+
+A query's output therefore depends only on its position, its own values and
+its sequence's keys, under the one assumption ``kvoffload.engine.gemm``
+states (a same-shape BLAS call computes each element the same way) and that
+``exp``'s vector and scalar paths agree (``tests/engine/test_gemm_conformance``
+checks both).
 
 Causality: a query at position ``p`` sees keys ``0..p``. The new tokens' K/V are
 written into the cache (``write_kv``) before attention reads it, so a chunk
@@ -47,18 +55,22 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 
-# Keys per value GEMM; the key rows of every score GEMM are a multiple of it
-# (see the module docstring).
-KEY_CHUNK = 64
-# Queries of one sequence attended together at most: a long prefill is split
-# so that early queries do not pay for keys they cannot see.
-QUERY_PIECE = 64
-# Pieces with at most this many queries share a bucket whatever their key
-# count (decode: fewer, larger batches beat tighter key padding).
-SMALL_PIECE = 8
+from kvoffload.engine import gemm
+from kvoffload.engine.gemm import KEY_CHUNK, QUERY_TILE, attention_batch
+
+__all__ = [
+    "KEY_CHUNK",
+    "QUERY_TILE",
+    "AttentionMetadata",
+    "AttentionPlan",
+    "check_kv_cache",
+    "paged_attention",
+    "write_kv",
+]
 
 
 def _as_long_tensor(value: torch.Tensor | Sequence[int], name: str) -> torch.Tensor:
@@ -75,59 +87,18 @@ def _exp_floor(dtype: torch.dtype) -> float:
     return math.log(torch.finfo(dtype).tiny) + 1.0
 
 
-def _next_pow2(n: int) -> int:
-    p = 1
-    while p < n:
-        p *= 2
-    return p
+@lru_cache(maxsize=16)
+def _diagonal_mask(group: int) -> torch.Tensor:
+    """``[KEY_CHUNK // QUERY_TILE, QUERY_TILE * group, KEY_CHUNK]``, True where hidden.
 
-
-@dataclass
-class Bucket:
-    """Query pieces attended together.
-
-    ``rows``/``positions`` are ``[num_pieces, queries]`` (padding repeats a
-    piece's last query), ``valid`` is ``[num_pieces * queries]``, ``tables``
-    ``[num_pieces, num_blocks]`` holds the block ids covering the first
-    ``num_keys`` key positions (padding reads block 0 and is masked).
+    Entry ``o`` is for a tile that starts ``o * QUERY_TILE`` keys into its own
+    chunk: key row ``r`` is hidden from query slot ``j`` when ``r > o *
+    QUERY_TILE + j``.
     """
-
-    rows: torch.Tensor
-    positions: torch.Tensor
-    valid: torch.Tensor
-    tables: torch.Tensor
-    num_keys: int
-    _masks: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict, repr=False
-    )
-
-    @property
-    def num_pieces(self) -> int:
-        return int(self.rows.shape[0])
-
-    @property
-    def num_queries(self) -> int:
-        return int(self.rows.shape[1])
-
-    def masks(self, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(bias, keep)``, each ``[num_pieces, 1, num_keys, queries * group]``.
-
-        ``bias`` is 0 where the query column may see the key row and a huge
-        negative number where not (adding it keeps hidden keys out of the
-        max); ``keep`` is 1 and 0 likewise (multiplying by it makes hidden
-        keys' probabilities exactly 0).
-        """
-        cached = self._masks.get((group, dtype))
-        if cached is None:
-            key_pos = torch.arange(self.num_keys, dtype=torch.long).view(1, -1, 1)
-            # Columns are (query, head-in-group) pairs, query-major.
-            qpos = self.positions.repeat_interleave(group, dim=1).unsqueeze(1)
-            hidden = (key_pos > qpos).unsqueeze(1)
-            bias = torch.zeros(hidden.shape, dtype=dtype)
-            bias.masked_fill_(hidden, -0.5 * torch.finfo(dtype).max)
-            keep = (~hidden).to(dtype)
-            cached = self._masks[(group, dtype)] = (bias, keep)
-        return cached
+    offsets = torch.arange(KEY_CHUNK // QUERY_TILE).view(-1, 1, 1)
+    rows = torch.arange(KEY_CHUNK).view(1, 1, -1)
+    slots = torch.arange(QUERY_TILE).repeat_interleave(group).view(1, -1, 1)
+    return rows > offsets * QUERY_TILE + slots
 
 
 @dataclass
@@ -156,7 +127,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     block_size: int
     positions: torch.Tensor  # derived: position of every new token, [T]
-    _buckets: list[Bucket] | None = field(default=None, repr=False)
+    _plan: AttentionPlan | None = field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -255,53 +226,124 @@ class AttentionMetadata:
         return ends[has_new] - 1
 
     @property
-    def buckets(self) -> list[Bucket]:
-        """The batch grouped for attention (computed once; every layer shares it)."""
-        if self._buckets is None:
-            self._buckets = _build_buckets(self)
-        return self._buckets
+    def plan(self) -> AttentionPlan:
+        """The step laid out for attention's GEMMs (computed once; every layer shares it)."""
+        if self._plan is None:
+            self._plan = _build_plan(self)
+        return self._plan
 
 
-def _key_rows(num_keys: int) -> int:
-    """The smallest multiple of ``KEY_CHUNK`` that covers ``num_keys``."""
-    return KEY_CHUNK * -(-max(num_keys, 1) // KEY_CHUNK)
+@dataclass
+class AttentionPlan:
+    """A step's queries and keys placed in attention's GEMM tiles (CPU int64).
+
+    Tiles are sorted by their number of key chunks, most first. *Items* (one
+    per tile and chunk) come in this order: first each tile's own chunk (its
+    last; items ``0..NT-1`` are tiles ``0..NT-1``), then chunk by chunk the
+    earlier ones: the items of chunk ``c`` are ``chunk_counts[c]`` consecutive
+    entries for tiles ``0..chunk_counts[c] - 1``. So the causal mask touches
+    one contiguous block, and summing a tile's chunks in order is a loop over
+    ``c`` on prefixes.
+
+    * ``tile_rows`` ``[NT, QUERY_TILE]``: the token (row of the step) in each
+      query slot, ``num_tokens`` for padding; ``tile_positions`` its position
+      (``-1`` for padding); ``tile_offsets`` ``[NT]``: the tile's offset in its
+      own chunk, in tiles;
+    * ``item_tiles`` ``[NI]``: each item's tile; ``key_blocks``,
+      ``key_offsets``, ``key_positions`` ``[NI, KEY_CHUNK]``: where each key
+      slot is read from (block 0, offset 0 past the sequence) and its position
+      (``-1`` past the sequence).
+    """
+
+    num_tokens: int
+    tile_rows: torch.Tensor
+    tile_positions: torch.Tensor
+    chunk_counts: list[int]
+    item_tiles: torch.Tensor
+    key_blocks: torch.Tensor
+    key_offsets: torch.Tensor
+    key_positions: torch.Tensor
+    tile_offsets: torch.Tensor
+    _padded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_tiles(self) -> int:
+        return int(self.tile_rows.shape[0])
+
+    @property
+    def num_items(self) -> int:
+        return int(self.item_tiles.shape[0])
+
+    @property
+    def max_block(self) -> int:
+        """The largest block id attention reads (0 when it reads none)."""
+        return int(self.key_blocks.max()) if self.key_blocks.numel() else 0
+
+    def padded_tiles(self, items: int) -> torch.Tensor:
+        """``item_tiles`` padded with tile 0 to ``items`` entries."""
+        pad = items - self.num_items
+        return torch.cat([self.item_tiles, torch.zeros(pad, dtype=torch.long)])
+
+    def padded_keys(self, items: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(key_blocks, key_offsets)`` padded with block 0, offset 0 to ``items`` rows."""
+        cached = self._padded.get(items)
+        if cached is None:
+            fill = torch.zeros((items - self.num_items, KEY_CHUNK), dtype=torch.long)
+            cached = (torch.cat([self.key_blocks, fill]), torch.cat([self.key_offsets, fill]))
+            self._padded[items] = cached
+        return cached
 
 
-def _build_buckets(meta: AttentionMetadata) -> list[Bucket]:
-    bs = meta.block_size
-    starts = meta.query_start_loc.tolist()
-    lens = meta.seq_lens.tolist()
-    # piece: (first row, count, first position, sequence)
-    groups: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
-    for i in range(meta.num_seqs):
-        n = starts[i + 1] - starts[i]
-        ctx = lens[i] - n
-        for off in range(0, n, QUERY_PIECE):
-            count = min(QUERY_PIECE, n - off)
-            width = max(2, _next_pow2(count))
-            keys = _key_rows(ctx + off + count)
-            groups.setdefault((width, 0 if width <= SMALL_PIECE else keys), []).append(
-                (starts[i] + off, count, ctx + off, i)
-            )
-    buckets = []
-    for (width, _), pieces in sorted(groups.items()):
-        first, count, first_pos, seq = (torch.tensor(col, dtype=torch.long) for col in zip(*pieces))
-        j = torch.arange(width, dtype=torch.long).unsqueeze(0)
-        offs = torch.minimum(j, (count - 1).unsqueeze(1))
-        rows = first.unsqueeze(1) + offs
-        positions = first_pos.unsqueeze(1) + offs
-        valid = (j < count.unsqueeze(1)).reshape(-1)
-        num_keys = _key_rows(int((first_pos + count).max()))
-        num_blocks = -(-num_keys // bs)
-        needed = (first_pos + count + bs - 1) // bs  # blocks holding keys a piece sees
-        tables = meta.block_tables[seq][:, :num_blocks]
-        if tables.shape[1] < num_blocks:
-            pad = torch.zeros((len(pieces), num_blocks - tables.shape[1]), dtype=torch.long)
-            tables = torch.cat([tables, pad], dim=1)
-        col = torch.arange(num_blocks, dtype=torch.long).unsqueeze(0)
-        tables = torch.where(col < needed.unsqueeze(1), tables, torch.zeros_like(tables))
-        buckets.append(Bucket(rows, positions, valid, tables.contiguous(), num_keys))
-    return buckets
+def _build_plan(meta: AttentionMetadata) -> AttentionPlan:
+    qt, kc, bs = QUERY_TILE, KEY_CHUNK, meta.block_size
+    qsl, lens = meta.query_start_loc, meta.seq_lens
+    counts = qsl[1:] - qsl[:-1]
+    seqs = (counts > 0).nonzero().flatten()
+    first = (lens - counts)[seqs]  # first new position of each sequence
+    end = lens[seqs]
+    t0 = first // qt
+    per_seq = (end - 1) // qt - t0 + 1
+    owner = torch.repeat_interleave(torch.arange(seqs.numel()), per_seq)
+    num_tiles = owner.numel()
+    tile_start = torch.cumsum(per_seq, 0) - per_seq
+    tile = t0[owner] + torch.arange(num_tiles) - tile_start[owner]
+    last_chunk = tile * qt // kc
+    order = torch.sort(-last_chunk, stable=True).indices
+    owner, tile, last_chunk = owner[order], tile[order], last_chunk[order]
+
+    positions = tile.unsqueeze(1) * qt + torch.arange(qt).unsqueeze(0)
+    lo, hi = first[owner].unsqueeze(1), end[owner].unsqueeze(1)
+    valid = (positions >= lo) & (positions < hi)
+    tile_rows = torch.where(valid, qsl[seqs][owner].unsqueeze(1) + positions - lo, meta.num_tokens)
+    tile_positions = torch.where(valid, positions, -1)
+
+    # Earlier chunks: chunk c for every tile whose own chunk is past c.
+    num_chunks = int(last_chunk[0]) if num_tiles else 0
+    per_chunk = torch.bincount(last_chunk, minlength=num_chunks + 1)[1:].flip(0).cumsum(0).flip(0)
+    chunk_counts = per_chunk.tolist()
+    earlier = torch.repeat_interleave(torch.arange(num_chunks), per_chunk)
+    start = torch.cumsum(per_chunk, 0) - per_chunk
+    item_chunk = torch.cat([last_chunk, earlier])
+    item_tiles = torch.cat(
+        [torch.arange(num_tiles), torch.arange(earlier.numel()) - start[earlier]]
+    )
+
+    seq = seqs[owner][item_tiles]
+    key_pos = item_chunk.unsqueeze(1) * kc + torch.arange(kc).unsqueeze(0)
+    has_key = key_pos < lens[seq].unsqueeze(1)
+    col = (key_pos // bs).clamp(max=meta.block_tables.shape[1] - 1)
+    blocks = torch.where(has_key, meta.block_tables[seq.unsqueeze(1), col], 0)
+    return AttentionPlan(
+        num_tokens=meta.num_tokens,
+        tile_rows=tile_rows,
+        tile_positions=tile_positions,
+        chunk_counts=chunk_counts,
+        item_tiles=item_tiles,
+        key_blocks=blocks,
+        key_offsets=torch.where(has_key, key_pos % bs, 0),
+        key_positions=torch.where(has_key, key_pos, -1),
+        tile_offsets=tile * qt % kc // qt,
+    )
 
 
 def check_kv_cache(
@@ -339,61 +381,142 @@ def write_kv(
     v_cache[block, offset] = value.to(v_cache.dtype)
 
 
+def _chunk_sum(parts: torch.Tensor, num_tiles: int, counts: list[int]) -> torch.Tensor:
+    """Per tile, ``parts`` (items on dim 1, ``AttentionPlan`` order) summed over
+    its chunks ``0, 1, ..`` left to right, its own chunk last."""
+    if not counts:
+        return parts[:, :num_tiles].clone()
+    total = parts[:, num_tiles : num_tiles + counts[0]].clone()
+    start = num_tiles + counts[0]
+    for n in counts[1:]:
+        total[:, :n] += parts[:, start : start + n]
+        start += n
+    total += parts[:, : counts[0]]
+    return torch.cat([total, parts[:, counts[0] : num_tiles]], dim=1)
+
+
+def _chunk_max(parts: torch.Tensor, num_tiles: int, counts: list[int]) -> torch.Tensor:
+    """Per tile, the max of ``parts`` (items on dim 1) over its chunks (exact)."""
+    total = parts[:, :num_tiles].clone()
+    start = num_tiles
+    for n in counts:
+        torch.maximum(total[:, :n], parts[:, start : start + n], out=total[:, :n])
+        start += n
+    return total
+
+
+def _gather_chunks(cache: torch.Tensor, plan: AttentionPlan, items: int) -> torch.Tensor:
+    """The keys (or values) of every item, ``[items, KEY_CHUNK, H_kv, D]``; items
+    past ``plan.num_items`` read block 0."""
+    _, bs, num_kv, head_dim = cache.shape
+    blocks, offsets = plan.padded_keys(items)
+    slot_contiguous = cache.stride()[1:] == (num_kv * head_dim, head_dim, 1)
+    if KEY_CHUNK % bs == 0 and slot_contiguous:
+        # Whole blocks: each item's chunk is KEY_CHUNK / bs consecutive blocks.
+        ids = blocks[:, ::bs].reshape(-1)
+        rows = torch.index_select(cache.flatten(1), 0, ids)
+    elif slot_contiguous and cache.stride(0) == bs * num_kv * head_dim:
+        rows = torch.index_select(
+            cache.view(-1, num_kv * head_dim), 0, (blocks * bs + offsets).view(-1)
+        )
+    else:
+        rows = cache[blocks, offsets]
+    return rows.view(items, KEY_CHUNK, num_kv, head_dim)
+
+
+def _labels(
+    plan: AttentionPlan, items: int, num_heads: int, num_kv: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Observation labels per KV head: key positions ``[H_kv, items, KEY_CHUNK]``
+    and queries ``position * num_heads + head`` ``[H_kv, items, QUERY_TILE * group]``
+    (``-1`` for padding)."""
+    group = num_heads // num_kv
+    keys = torch.full((items, KEY_CHUNK), -1, dtype=torch.long)
+    keys[: plan.num_items] = plan.key_positions
+    pos = torch.full((items, QUERY_TILE), -1, dtype=torch.long)
+    pos[: plan.num_items] = plan.tile_positions[plan.item_tiles]
+    heads = torch.arange(num_heads).view(num_kv, 1, 1, group)
+    q = torch.where(
+        pos.view(1, items, QUERY_TILE, 1) >= 0,
+        pos.view(1, items, QUERY_TILE, 1) * num_heads + heads,
+        -1,
+    )
+    return keys.expand(num_kv, items, KEY_CHUNK), q.reshape(num_kv, items, -1)
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    token_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of ``query`` ``[T', H, D]`` (``T' >= T``; rows past ``T`` are
-    ignored and come back zero) over each sequence's cached keys.
+    """Causal attention of the step's queries over each sequence's cached keys.
 
-    The new tokens' K/V must already be in the cache (``write_kv``). Returns
-    ``[T', H, D]``. Grouped-query heads: query head ``h`` reads KV head
-    ``h // (H / H_kv)``, as HF's ``repeat_kv`` does.
+    ``query`` is ``[R, H, D]``; token ``i`` of the step (``0 <= i < T``) is row
+    ``token_rows[i]`` (default: row ``i``, ``R >= T``). Returns ``[R, H, D]``
+    with each token's output in its row and zeros in the other rows. The new
+    tokens' K/V must already be in the cache (``write_kv``). Grouped-query
+    heads: query head ``h`` reads KV head ``h // (H / H_kv)``, as HF's
+    ``repeat_kv`` does.
     """
     num_rows, num_heads, head_dim = query.shape
     num_kv = k_cache.shape[2]
     group = num_heads // num_kv
+    plan = meta.plan
     out = query.new_zeros((num_rows, num_heads, head_dim))
-    # Blocks as rows of ``block_size * H_kv * D`` (a view: blocks are contiguous).
-    k_rows = k_cache.flatten(1)
-    v_rows = v_cache.flatten(1)
-    for b in meta.buckets:
-        npc, nq, keys = b.num_pieces, b.num_queries, b.num_keys
-        cols, chunks = nq * group, keys // KEY_CHUNK
-        flat_tables = b.tables.reshape(-1)
-        # Queries as columns: [pieces * H_kv, D, nq * group], column = query * group + g.
-        q = (query[b.rows] * scale).view(npc, nq, num_kv, group, head_dim)
-        q = q.permute(0, 2, 4, 1, 3).reshape(npc * num_kv, head_dim, cols)
-        # Keys as rows: [pieces * H_kv, keys, D].
-        k = torch.index_select(k_rows, 0, flat_tables).view(npc, -1, num_kv, head_dim)
-        k = k[:, :keys].transpose(1, 2).reshape(npc * num_kv, keys, head_dim)
-        scores = torch.bmm(k, q).view(npc, num_kv, keys, cols)
-        bias, keep = b.masks(group, scores.dtype)
-        scores = scores + bias
-        # exp is an order of magnitude slower on inputs whose results are
-        # subnormal, so inputs are floored where the result is still normal;
-        # hidden keys are then zeroed exactly by ``keep``.
-        probs = (scores - scores.amax(dim=2, keepdim=True)).clamp_(min=_exp_floor(scores.dtype))
-        probs = probs.exp_().mul_(keep)
-        # V transposed per key chunk with a row of ones under it:
-        # [pieces, H_kv, chunks, D + 1, KEY_CHUNK].
-        v = torch.index_select(v_rows, 0, flat_tables).view(npc, -1, num_kv, head_dim)
-        v = v[:, :keys].view(npc, chunks, KEY_CHUNK, num_kv, head_dim)
-        v1 = v.new_empty((npc, num_kv, chunks, head_dim + 1, KEY_CHUNK))
-        v1[:, :, :, :head_dim] = v.permute(0, 3, 1, 4, 2)
-        v1[:, :, :, head_dim] = 1
-        partial = torch.bmm(
-            v1.view(npc * num_kv * chunks, head_dim + 1, KEY_CHUNK),
-            probs.view(npc * num_kv * chunks, KEY_CHUNK, cols),
-        ).view(npc, num_kv, chunks, head_dim + 1, cols)
-        total = partial[:, :, 0].clone()
-        for c in range(1, chunks):  # left to right: a fixed order for every query
-            total += partial[:, :, c]
-        o = total[:, :, :head_dim] / total[:, :, head_dim:]
-        o = o.view(npc, num_kv, head_dim, nq, group).permute(0, 3, 1, 4, 2)
-        o = o.reshape(npc * nq, num_heads, head_dim)
-        out[b.rows.reshape(-1)[b.valid]] = o[b.valid]
+    if plan.num_tiles == 0:
+        return out
+    dtype = query.dtype
+    cols = QUERY_TILE * group
+    n_tiles, n_items, counts = plan.num_tiles, plan.num_items, plan.chunk_counts
+    batch = attention_batch(dtype)
+    items = -(-n_items // batch) * batch
+
+    # Query tiles, [C, D] per KV head: row = slot * group + g; padding slots
+    # read an appended zero row. One copy per item (tiles repeat over chunks).
+    if token_rows is None:
+        rows = plan.tile_rows
+    else:
+        rows = torch.cat([token_rows.long(), torch.tensor([num_rows])])[plan.tile_rows]
+    q = torch.cat([query, query.new_zeros((1, num_heads, head_dim))])[rows] * scale
+    q = q.view(n_tiles, QUERY_TILE, num_kv, group, head_dim).transpose(1, 2)
+    q = q.reshape(n_tiles, num_kv, cols, head_dim)
+    q_items = torch.index_select(q, 0, plan.padded_tiles(items))
+    keys = _gather_chunks(k_cache, plan, items)
+    values = _gather_chunks(v_cache, plan, items)
+    labels = _labels(plan, items, num_heads, num_kv) if gemm.observing() else None
+
+    # Scores transposed, [C, KEY_CHUNK] per (KV head, item): keys on the inner
+    # dimension make the max and the value GEMM's operand contiguous.
+    scores = query.new_empty((num_kv, items, cols, KEY_CHUNK))
+    for h in range(num_kv):
+        gemm.batched_mm(
+            q_items[:, h],
+            keys[:, :, h].transpose(1, 2),
+            scores[h],
+            "attention.scores",
+            None if labels is None else (labels[1][h], labels[0][h], None),
+        )
+    s = scores[:, :n_items]
+    hidden = _diagonal_mask(group)[plan.tile_offsets]  # each tile's own chunk
+    s[:, :n_tiles].masked_fill_(hidden, -0.5 * torch.finfo(dtype).max)
+    top = _chunk_max(s.amax(dim=3), n_tiles, counts)  # [H_kv, NT, C]
+    s.sub_(top.index_select(1, plan.item_tiles).unsqueeze(3))
+    s.clamp_(min=_exp_floor(dtype)).exp_()
+    s[:, :n_tiles].masked_fill_(hidden, 0)
+
+    sums = query.new_empty((num_kv, items, cols, head_dim))
+    dens = query.new_empty((num_kv, items, cols, 1))
+    ones = query.new_ones((1, KEY_CHUNK, 1)).expand(items, KEY_CHUNK, 1)
+    for h in range(num_kv):
+        labels_h = None if labels is None else (labels[1][h], None, labels[0][h])
+        gemm.batched_mm(scores[h], values[:, :, h], sums[h], "attention.values", labels_h)
+        gemm.batched_mm(scores[h], ones, dens[h], "attention.denominators", labels_h)
+    o = _chunk_sum(sums, n_tiles, counts) / _chunk_sum(dens, n_tiles, counts)
+    o = o.view(num_kv, n_tiles, QUERY_TILE, group, head_dim).permute(1, 2, 0, 3, 4)
+    o = o.reshape(n_tiles * QUERY_TILE, num_heads, head_dim)
+    valid = (plan.tile_positions >= 0).reshape(-1)
+    out[rows.reshape(-1)[valid]] = o[valid]
     return out

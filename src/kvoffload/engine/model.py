@@ -11,20 +11,29 @@ Batch invariance
 ----------------
 A token's result must not depend on what else is in the step (other
 sequences, how its own prompt was chunked), so that KV computed anywhere is
-interchangeable and greedy outputs match bit for bit. CPU GEMMs choose
-kernels, and with them summation orders, from the matrix shapes and split a
-lone GEMM across threads. So every linear layer runs as a *batch* of
-fixed-shape GEMMs: the step's rows are padded to a multiple of ``ROW_TILE``
-(at least two tiles) and multiplied tile by tile with ``torch.bmm``; a row's
-result is then the same in any batch. Elementwise ops are exactly rounded or
-(``exp``) give the same result on vector and scalar paths; SiLU is written as
-``x / (1 + exp(-x))`` because ``F.silu``'s scalar tail path rounds differently
-from its vector path. RMSNorm reduces each row on its own. Attention is
-invariant by construction (see ``attention``). Tests check all of this with
-exact equality for float32 and float64 on CPU (results were also identical
-with 1 and 2 torch threads); bfloat16/float16 are supported but not claimed
-invariant. float32 is the recommended dtype: invariant and 2-3x faster than
-float64.
+interchangeable and greedy outputs match bit for bit. A GEMM's summation order
+depends on its shape and on where a row sits in it (``kvoffload.engine.gemm``),
+so:
+
+* a step's tokens are laid out once in a stack of ``ROW_TILE``-row tiles,
+  token at position ``p`` in row ``p % ROW_TILE`` of some tile (tokens of
+  different sequences share tiles; empty rows are zeros), and every layer
+  works on that stack;
+* every linear layer multiplies tile by tile, ``[ROW_TILE, in] @ [in, out]``
+  (``gemm.tiled_matmul``), with the weights transposed once and q/k/v and
+  gate/up fused (``DecoderLM.gemm_shapes`` lists every shape); so does the LM
+  head, on the rows whose logits are asked for, laid out the same way;
+* attention places queries and keys by position too (``attention``);
+* the rest is per row and elementwise: RMSNorm reduces each row on its own,
+  SiLU is ``x / (1 + exp(-x))`` (``F.silu``'s scalar tail path rounds
+  differently from its vector path), the other elementwise ops are exactly
+  rounded, and ``exp``'s vector and scalar paths agree.
+
+So a row's result depends only on its own inputs and position, under the
+assumptions stated in ``gemm`` and checked by
+``tests/engine/test_gemm_conformance.py``; the model tests check bit identity
+across batching and chunking for float32, float64 and bfloat16. float32 is
+the recommended dtype (2-3x faster than float64 on CPU).
 """
 
 from __future__ import annotations
@@ -35,43 +44,74 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from kvoffload.engine import gemm
 from kvoffload.engine.attention import (
     AttentionMetadata,
     check_kv_cache,
     paged_attention,
     write_kv,
 )
+from kvoffload.engine.gemm import ROW_TILE, GemmShape, RowTiles, row_tiles
 from kvoffload.engine.model_config import ModelConfig
-
-# Rows per linear-layer GEMM. Small, because a decode step pads to two tiles
-# (16 rows); 16 or 32 would be a little faster for prefill only.
-ROW_TILE = 8
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
-def padded_rows(n: int) -> int:
-    """Rows a step of ``n`` tokens is padded to: a multiple of ``ROW_TILE``, >= two tiles."""
-    return max(2, -(-n // ROW_TILE)) * ROW_TILE
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors keep no version counter
+        return -1
 
 
-def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` ``[R, in]`` with ``R`` a multiple of ``ROW_TILE``
-    (at least two tiles), as a batch of ``[ROW_TILE, in] @ [in, out]`` GEMMs."""
-    rows, fan_in = x.shape
-    tiles = rows // ROW_TILE
-    w = weight.t().unsqueeze(0).expand(tiles, fan_in, weight.shape[0])
-    y = torch.bmm(x.view(tiles, ROW_TILE, fan_in), w).view(rows, weight.shape[0])
+class FusedWeights:
+    """The transposed weights of some linear layers side by side, ``[in, sum(out)]``,
+    and their biases (or None), rebuilt whenever a weight or bias is replaced or
+    modified in place (a version counter bump: ``load_state_dict``, ``copy_``).
+
+    A contiguous ``[in, out]`` operand is markedly faster than a transposed
+    view, and one wider GEMM beats several narrow ones.
+    """
+
+    def __init__(self, *linears: nn.Linear) -> None:
+        self._linears = linears
+        self._key: tuple[tuple[int, int], ...] | None = None
+        self._value: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def _state(self) -> tuple[tuple[int, int], ...]:
+        params = [p for lin in self._linears for p in (lin.weight, lin.bias) if p is not None]
+        return tuple((p.data_ptr(), _version(p)) for p in params)
+
+    def get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        key = self._state()
+        if self._value is None or key != self._key:
+            with torch.no_grad():
+                weight = torch.cat([lin.weight.detach() for lin in self._linears]).t().contiguous()
+                biases = [lin.bias for lin in self._linears]
+                bias = None
+                if any(b is not None for b in biases):
+                    bias = torch.cat(
+                        [
+                            b.detach() if b is not None else lin.weight.new_zeros(lin.out_features)
+                            for b, lin in zip(biases, self._linears)
+                        ]
+                    )
+            self._value, self._key = (weight, bias), key
+        assert self._value is not None
+        return self._value
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self._linears[0].in_features, sum(lin.out_features for lin in self._linears)
+
+
+def fused_linear(x: torch.Tensor, fused: FusedWeights, tiles: RowTiles, kind: str) -> torch.Tensor:
+    """``x @ W.T + b`` of the fused layers over the tile stack ``x``."""
+    weight, bias = fused.get()
+    y = gemm.tiled_matmul(x, weight, tiles, kind)
     if bias is not None:
-        y = y + bias
+        y += bias
     return y
-
-
-class TiledLinear(nn.Linear):
-    """``nn.Linear`` whose forward is ``tiled_linear`` (same parameters and names)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tiled_linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -151,10 +191,12 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         h = config.hidden_size
-        self.q_proj = TiledLinear(h, config.q_size, bias=config.attention_bias)
-        self.k_proj = TiledLinear(h, config.kv_size, bias=config.attention_bias)
-        self.v_proj = TiledLinear(h, config.kv_size, bias=config.attention_bias)
-        self.o_proj = TiledLinear(config.q_size, h, bias=config.o_proj_bias)
+        self.q_proj = nn.Linear(h, config.q_size, bias=config.attention_bias)
+        self.k_proj = nn.Linear(h, config.kv_size, bias=config.attention_bias)
+        self.v_proj = nn.Linear(h, config.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(config.q_size, h, bias=config.o_proj_bias)
+        self.qkv = FusedWeights(self.q_proj, self.k_proj, self.v_proj)
+        self.out = FusedWeights(self.o_proj)
 
     def forward(
         self,
@@ -163,28 +205,35 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding,
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
+        tiles: RowTiles,
     ) -> torch.Tensor:
         rows = x.shape[0]
-        n = meta.num_tokens
-        q = rotary(self.q_proj(x).view(rows, self.num_heads, self.head_dim), positions)
-        k = rotary(self.k_proj(x).view(rows, self.num_kv_heads, self.head_dim), positions)
-        v = self.v_proj(x).view(rows, self.num_kv_heads, self.head_dim)
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        qkv = fused_linear(x, self.qkv, tiles, "qkv_proj")
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=1)
+        q = rotary(q.view(rows, self.num_heads, self.head_dim), positions)
+        k = rotary(k.view(rows, self.num_kv_heads, self.head_dim), positions)
+        v = v.view(rows, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k[:n], v[:n], meta.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.view(rows, self.num_heads * self.head_dim))
+        write_kv(k_cache, v_cache, k[tiles.rows], v[tiles.rows], meta.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale, token_rows=tiles.rows)
+        return fused_linear(o.view(rows, q_size), self.out, tiles, "o_proj")
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = TiledLinear(h, i, bias=config.mlp_bias)
-        self.up_proj = TiledLinear(h, i, bias=config.mlp_bias)
-        self.down_proj = TiledLinear(i, h, bias=config.mlp_bias)
+        self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
+        self.gate_up = FusedWeights(self.gate_proj, self.up_proj)
+        self.down = FusedWeights(self.down_proj)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, tiles: RowTiles) -> torch.Tensor:
+        gate, up = fused_linear(x, self.gate_up, tiles, "gate_up_proj").chunk(2, dim=1)
+        return fused_linear(silu(gate) * up, self.down, tiles, "down_proj")
 
 
 class DecoderLayer(nn.Module):
@@ -202,9 +251,11 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         meta: AttentionMetadata,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
+        tiles: RowTiles,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), positions, rotary, meta, kv_cache, tiles)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x), tiles)
 
 
 class DecoderBody(nn.Module):
@@ -224,11 +275,31 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderBody(config)
-        self.lm_head = TiledLinear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.head = FusedWeights(self.lm_head)
         self.rotary = RotaryEmbedding(config)
         self.to(config.torch_dtype)
+
+    def gemm_shapes(self) -> frozenset[GemmShape]:
+        """Every GEMM shape ``forward`` and ``compute_logits`` use (the declared set)."""
+        cfg = self.config
+        dtype = cfg.torch_dtype
+        shapes = {
+            gemm.linear_shape(ROW_TILE, *fused.shape, dtype)
+            for layer in self.model.layers
+            for fused in (
+                layer.self_attn.qkv,
+                layer.self_attn.out,
+                layer.mlp.gate_up,
+                layer.mlp.down,
+            )
+        }
+        shapes.add(gemm.linear_shape(ROW_TILE, *self.head.shape, dtype))
+        group = cfg.num_heads // cfg.num_kv_heads
+        shapes.update(gemm.attention_shapes(cfg.head_dim, group, dtype))
+        return frozenset(shapes)
 
     def forward(
         self,
@@ -257,7 +328,8 @@ class DecoderLM(nn.Module):
                 f"input_ids/positions have {input_ids.numel()}/{positions.numel()} tokens, "
                 f"attention metadata {n}"
             )
-        if not torch.equal(positions.cpu().long(), meta.positions):
+        positions = positions.cpu().long()
+        if not torch.equal(positions, meta.positions):
             raise ValueError("positions disagree with seq_lens/query_start_loc")
         if n and int(positions.max()) >= cfg.max_position:
             raise ValueError(f"position {int(positions.max())} >= max_position {cfg.max_position}")
@@ -274,25 +346,26 @@ class DecoderLM(nn.Module):
         ):
             raise ValueError(f"logits_indices must be in [0, {n})")
 
-        rows = padded_rows(n)
-        ids = input_ids.new_zeros(rows)
-        ids[:n] = input_ids
-        pos = positions.new_zeros(rows).long()
-        pos[:n] = positions
-        x = self.model.embed_tokens(ids)
+        tiles = row_tiles(positions, ROW_TILE)
+        x = self.model.embed_tokens.weight.new_zeros((tiles.num_rows, cfg.hidden_size))
+        x[tiles.rows] = self.model.embed_tokens(input_ids)
+        rope_pos = tiles.row_positions.clamp(min=0)  # empty rows: any valid position
         for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(x, pos, self.rotary, meta, kv)
-        return self.compute_logits(x[logits_indices])
+            x = layer(x, rope_pos, self.rotary, meta, kv, tiles)
+        return self.compute_logits(x[tiles.rows[logits_indices]], positions[logits_indices])
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head for ``hidden`` ``[n, hidden_size]`` (any ``n``, row-invariant)."""
+    def compute_logits(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head for ``hidden`` ``[n, hidden_size]``, the rows of tokens
+        at ``positions`` ``[n]`` (each row's logits depend only on the row and
+        its position)."""
         n = hidden.shape[0]
         if n == 0:
             return hidden.new_zeros((0, self.config.vocab_size))
-        rows = padded_rows(n)
-        padded = hidden.new_zeros((rows, hidden.shape[1]))
-        padded[:n] = hidden
-        return self.lm_head(self.model.norm(padded))[:n]
+        tiles = row_tiles(positions, ROW_TILE)
+        stack = hidden.new_zeros((tiles.num_rows, hidden.shape[1]))
+        stack[tiles.rows] = hidden
+        logits = fused_linear(self.model.norm(stack), self.head, tiles, "lm_head")
+        return logits[tiles.rows]
 
     def _check_caches(self, meta: AttentionMetadata, kv_caches: KVCaches) -> None:
         cfg = self.config
@@ -309,9 +382,8 @@ class DecoderLM(nn.Module):
                     f"layer {i}: KV cache dtype {k_cache.dtype}, model dtype {cfg.torch_dtype}"
                 )
             num_blocks = k_cache.shape[0]
-        for bucket in meta.buckets:
-            if num_blocks is not None and int(bucket.tables.max()) >= num_blocks:
-                raise ValueError(f"block tables reference blocks beyond the cache ({num_blocks})")
+        if num_blocks is not None and meta.plan.max_block >= num_blocks:
+            raise ValueError(f"block tables reference blocks beyond the cache ({num_blocks})")
 
 
 @torch.no_grad()
