@@ -292,7 +292,9 @@ class KVEventSubscriber:
             # A live copy of a seq replay already handed out (or recorded
             # lost), or one from before start_seq.
             self.stats.duplicates += 1
-            self._replayed.pop(seq, None)
+            # Still a live seq: the stream got this far, so a later step back
+            # to it or below is a restart.
+            self._saw_live(seq)
 
     def _accept(self, seq: int, payload: bytes) -> None:
         self._pending.append((seq, payload, False, self.epoch))
