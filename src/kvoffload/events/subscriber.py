@@ -56,7 +56,8 @@ DEFAULT_REPLAY_BACKOFF_MAX_S = 30.0
 # Live messages handled per pump at most, so one recv() returns promptly
 # under a flood.
 _RECV_CHUNK = 1024
-# Undecodable-batch notices printed one by one before they are only counted.
+# Malformed or undecodable message notices passed on one by one before they are
+# only counted (a hostile peer can send them at any rate).
 _NOTICE_LIMIT = 20
 
 
