@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvoffload.engine import gemm
 from kvoffload.engine.attention import (
     KEY_CHUNK,
     QUERY_TILE,
@@ -142,7 +143,7 @@ def test_float32_close_to_reference() -> None:
     torch.testing.assert_close(b.run(), b.reference(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_result_independent_of_batch_and_padding(dtype) -> None:
     """A sequence's output is bit-identical alone, with others, and with padded rows."""
     target = (19, 23)
@@ -163,13 +164,18 @@ def test_result_independent_of_batch_and_padding(dtype) -> None:
         assert torch.equal(out[start : start + target[1]], alone)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_chunked_queries_equal_one_shot(dtype) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize(
+    "pieces", [[7, 16, 1, 21], [1, 2, 1, 2, 3, 7, 29], [2, 64, 1, 3], [45, 1, 2, 37]]
+)
+def test_chunked_queries_equal_one_shot(dtype, pieces) -> None:
     """Queries computed in several chunks (earlier ones cached) equal one shot, bitwise."""
-    full = Batch([(0, 45)], 8, 4, 2, 16, dtype=dtype, seed=2)
+    total = sum(pieces)
+    full = Batch([(0, total)], 8, 4, 2, 16, dtype=dtype, seed=2)
     one_shot = full.run()
     outs = []
-    for ctx, n in [(0, 7), (7, 16), (23, 1), (24, 21)]:
+    starts = [sum(pieces[:i]) for i in range(len(pieces))]
+    for ctx, n in zip(starts, pieces):
         chunk = Batch([(ctx, n)], 8, 4, 2, 16, dtype=dtype, seed=99)
         chunk.keys[0] = full.keys[0][: ctx + n]
         chunk.values[0] = full.values[0][: ctx + n]
@@ -180,6 +186,62 @@ def test_chunked_queries_equal_one_shot(dtype) -> None:
             chunk.v_cache[table[p // 8], p % 8] = full.values[0][p]
         outs.append(chunk.run())
     assert torch.equal(torch.cat(outs), one_shot)
+
+
+def _encoded_batch(specs: list[tuple[int, int]]) -> Batch:
+    """Queries and keys that carry their own position (and head) in their values."""
+    b = Batch(specs, 4, 4, 2, 16, seed=6)
+    for i, (ctx, n) in enumerate(specs):
+        length = ctx + n
+        pos = torch.arange(length, dtype=b.dtype)
+        k = torch.zeros((length, 2, 16), dtype=b.dtype)
+        k[..., 0], k[..., 3] = 1, pos.unsqueeze(1)
+        v = torch.zeros((length, 2, 16), dtype=b.dtype)
+        v[..., 4] = pos.unsqueeze(1)
+        q = torch.zeros((n, 4, 16), dtype=b.dtype)
+        q[..., 0], q[..., 1] = 1, pos[ctx:].unsqueeze(1)
+        q[..., 2] = torch.arange(4, dtype=b.dtype)
+        b.keys[i], b.values[i], b.queries[i] = k, v, q
+        table = b.tables[i]
+        for p in range(ctx):
+            b.k_cache[table[p // 4], p % 4] = k[p]
+            b.v_cache[table[p // 4], p % 4] = v[p]
+    return b
+
+
+def test_gemm_operands_hold_the_tokens_their_labels_name() -> None:
+    """The placement labels the structural test checks are the operands' real contents."""
+    b = _encoded_batch([(10, 7), (0, 70), (33, 1), (64, 2)])
+    calls: list[gemm.GemmCall] = []
+    with gemm.observe(calls.append):
+        b.run()
+    assert {c.kind for c in calls} == {
+        "attention.scores",
+        "attention.values",
+        "attention.denominators",
+    }
+    for c in calls:
+        q = c.a if c.kind == "attention.scores" else None
+        rows = c.row_labels
+        assert rows is not None
+        if q is not None:  # [B, C, D]: column 0 is the scale, 1 the position, 2 the head
+            real = q[..., 0] != 0
+            item = (rows >= 0).any(dim=1)  # padding items repeat a real tile; ignored
+            assert torch.equal(real[item], rows[item] >= 0)
+            pos = torch.round(q[..., 1] / q[..., 0]).long()
+            head = torch.round(q[..., 2] / q[..., 0]).long()
+            labelled = rows >= 0
+            assert torch.equal((pos * 4 + head)[labelled], rows[labelled])
+            keys = c.b.transpose(1, 2)  # [B, KEY_CHUNK, D]
+            labels = c.col_labels
+        elif c.kind == "attention.values":
+            keys, labels = c.b, c.inner_labels  # V: column 4 holds the position
+        else:
+            continue
+        assert labels is not None
+        has = labels >= 0
+        column = 3 if c.kind == "attention.scores" else 4
+        assert torch.equal(keys[..., column].round().long()[has], labels[has])
 
 
 def test_plan_places_every_query_once_by_position() -> None:

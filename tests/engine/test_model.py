@@ -406,14 +406,15 @@ def test_tiled_matmul_rows_are_invariant() -> None:
 # -- invariance -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
 def test_chunked_prefill_is_bit_identical(dtype) -> None:
+    """Every logits row and every KV byte, whatever the chunking (1-2 token pieces too)."""
     model = build_model(ModelConfig(dtype=dtype), seed=0)
     tokens = prompt(150, model.config.vocab_size)
     one = PagedSim(model, seed=1)
     one.add("s", tokens)
     ref = one.step([("s", 150)], all_logits=True)["s"]
-    for chunks in ([16, 134], [1, 1, 5, 60, 83], [40, 40, 40, 30], [149, 1]):
+    for chunks in ([16, 134], [1, 1, 5, 60, 83], [2, 1, 2, 3, 7, 64, 71], [149, 1]):
         sim = PagedSim(model, seed=len(chunks))
         sim.add("s", tokens)
         got = torch.cat([sim.step([("s", n)], all_logits=True)["s"] for n in chunks])
@@ -422,7 +423,7 @@ def test_chunked_prefill_is_bit_identical(dtype) -> None:
             assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
 def test_batch_composition_does_not_change_results(dtype) -> None:
     model = build_model(ModelConfig(dtype=dtype), seed=0)
     vocab = model.config.vocab_size
@@ -531,7 +532,9 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(
-    chunks=st.lists(st.integers(1, 40), min_size=1, max_size=6),
+    chunks=st.lists(
+        st.one_of(st.sampled_from([1, 2, 3, 7, 64]), st.integers(1, 40)), min_size=1, max_size=6
+    ),
     companions=st.lists(st.integers(0, 50), max_size=3),
     block_size=st.sampled_from([1, 4, 16]),
     seed=st.integers(0, 1000),

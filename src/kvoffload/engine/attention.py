@@ -18,24 +18,25 @@ every query and key a place fixed by its position:
 
 * a sequence's new queries are cut into tiles of ``QUERY_TILE`` aligned to
   positions ``[t * QUERY_TILE, (t + 1) * QUERY_TILE)``; query ``p`` with query
-  head ``h`` is column ``(p % QUERY_TILE) * group + h % group`` of its tile
-  (other columns are padding: zero queries whose results are dropped);
+  head ``h`` is row ``(p % QUERY_TILE) * group + h % group`` of its tile (other
+  rows are padding: zero queries whose results are dropped);
 * keys are read in chunks of ``KEY_CHUNK`` positions ``[c * KEY_CHUNK, (c + 1)
-  * KEY_CHUNK)``; key ``p`` is row ``p % KEY_CHUNK`` (slots past the sequence
-  read block 0 and are masked);
+  * KEY_CHUNK)``; key ``p`` is column (or, for values, summed row) ``p %
+  KEY_CHUNK`` (slots past the sequence read block 0 and are masked);
 * a tile attends to chunks ``0..c*``, where ``c*`` holds the tile itself
-  (``QUERY_TILE`` divides ``KEY_CHUNK``); scores are one GEMM per (tile, KV
-  head, chunk), ``[KEY_CHUNK, D] @ [D, QUERY_TILE * group]``, and so are the
-  value sums, ``[QUERY_TILE * group, KEY_CHUNK] @ [KEY_CHUNK, D + 1]`` (a
-  column of ones appended to V gives the softmax denominator in the same
-  call); both run as ``gemm.batched_mm`` batches of the dtype's fixed size;
+  (``QUERY_TILE`` divides ``KEY_CHUNK``). Per (tile, KV head, chunk) there are
+  three GEMMs (``gemm.attention_shapes``): scores ``[QUERY_TILE * group, D] @
+  [D, KEY_CHUNK]``, value sums ``[QUERY_TILE * group, KEY_CHUNK] @ [KEY_CHUNK,
+  D]`` and softmax denominators (probabilities times a column of ones), all
+  run by ``gemm.batched_mm`` in batches of the dtype's fixed size;
 * the softmax max is exact in any order and ``exp`` is elementwise; only the
   tile's own chunk needs a causal mask, which depends only on the tile's
-  offset in its chunk: hidden keys get a huge negative bias before the max and
-  are multiplied by exactly 0 after ``exp`` (whose input is floored where its
-  result would be subnormal: subnormals make ``exp`` an order of magnitude
-  slower). So what unused slots hold never matters as long as it is finite
-  (the cache starts zeroed and only ever receives computed or copied KV);
+  offset in that chunk: hidden keys' scores are set to a huge negative number
+  before the max and their probabilities to exactly 0 after ``exp`` (whose
+  input is floored where its result would be subnormal: subnormals make
+  ``exp`` an order of magnitude slower). So what unused slots hold never
+  matters as long as it is finite (the cache starts zeroed and only ever
+  receives computed or copied KV);
 * each tile's per-chunk results are summed in chunk order ``0, 1, ..``,
   whatever else is in the step.
 

@@ -60,8 +60,12 @@ KEY_CHUNK = 64
 def attention_batch(dtype: torch.dtype) -> int:
     """The batch size of every attention ``bmm`` in ``dtype`` (padded when short).
 
-    Reduced-precision GEMMs go through oneDNN, whose per-call overhead wants
-    larger batches.
+    Fixed, because the batch size is part of the call's shape: MKL computes a
+    batch of one with its plain GEMM and larger ones with its batched GEMM, and
+    on an Intel CPU the ``[16, 64] @ [64, 1]`` denominators already differ
+    between the two (``tests/engine/test_gemm_conformance.py`` prints such
+    cases). Reduced-precision GEMMs go through oneDNN, whose per-call overhead
+    wants larger batches.
     """
     return 16 if dtype in (torch.float32, torch.float64) else 64
 
