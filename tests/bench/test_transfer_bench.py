@@ -39,7 +39,7 @@ def test_cli_table(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (["--sizes", "0"], "positive"),
         (["--sizes", "10KiB"], "not a whole number of tokens"),
-        (["--blocks", "0"], "--blocks must be positive"),
+        (["--blocks", "0"], "--blocks: must be positive"),
         (["--sizes", "lots"], "not a byte size"),
     ],
 )

@@ -66,6 +66,8 @@ def test_bench_serve_compares_configurations(tmp_path, capsys) -> None:
             "24",
             "--policies",
             "lru",
+            "--cpu-blocks",
+            "1024",
             "--out",
             str(tmp_path),
             "--json",
@@ -74,9 +76,11 @@ def test_bench_serve_compares_configurations(tmp_path, capsys) -> None:
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
     by_label = {r["label"]: r for r in report["results"]}
-    assert {"off", "eager", "lazy", "eager/lru"} <= by_label.keys()
+    default = report["settings"]["default_policy"]
+    eager = f"eager/{default}*"  # the default policy's row, marked
+    assert {"off", eager, "lazy", "eager/lru"} <= by_label.keys()
     assert by_label["off"]["hit_rate_cpu"] == 0
-    assert by_label["eager"]["hit_rate_cpu"] > 0
-    assert by_label["eager"]["prefill_tokens_computed"] < by_label["off"]["prefill_tokens_computed"]
+    assert by_label[eager]["hit_rate_cpu"] > 0
+    assert by_label[eager]["prefill_tokens_computed"] < by_label["off"]["prefill_tokens_computed"]
     assert (tmp_path / "serve.png").stat().st_size > 0
     assert "| off |" in (tmp_path / "serve.md").read_text()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -326,7 +327,7 @@ def run_model(args: argparse.Namespace) -> int:
         return 0
     for line in narrow_table(summaries):
         print(line)
-    print(note)
+    print(textwrap.fill(note, 80))
     print(f"full table: {out / 'serve.md'}  plot: {out / 'serve.png'}")
     return 0
 
@@ -409,9 +410,12 @@ def run_mooncake(args: argparse.Namespace) -> int:
         print(json.dumps(report))
         return 0
     print(
-        f"Mooncake replay: {len(reqs):,} requests, {settings['unique_blocks']:,} unique "
-        f"blocks of {settings['block_size']} tokens; GPU {gpu:,} / CPU {cpu:,} blocks "
-        f"({mode}), holding {hold}"
+        textwrap.fill(
+            f"Mooncake replay: {len(reqs):,} requests, {settings['unique_blocks']:,} unique "
+            f"blocks of {settings['block_size']} tokens; GPU {gpu:,} / CPU {cpu:,} blocks "
+            f"({mode}), holding {hold}",
+            80,
+        )
     )
     print(f"{'config':<18}{'GPU hit':>9}{'CPU hit':>9}{'total':>9}{'refused':>10}{'Mops/s':>9}")
     for name, r in rows.items():
@@ -420,9 +424,12 @@ def run_mooncake(args: argparse.Namespace) -> int:
             f"{r['hit_rate_total']:>9.1%}{r['stores_refused']:>10,}{r['ops_per_s'] / 1e6:>9.2f}"
         )
     print(
-        f"ceiling (infinite tier) {reference['ceiling_hit_rate']:.1%}; Belady's MIN at "
-        f"GPU+CPU {reference['belady_hit_rate_gpu_plus_cpu']:.1%}, at CPU alone "
-        f"{reference['belady_hit_rate_cpu']:.1%}; * the default policy ({default_policy})"
+        textwrap.fill(
+            f"ceiling (infinite tier) {reference['ceiling_hit_rate']:.1%}; Belady's MIN at "
+            f"GPU+CPU {reference['belady_hit_rate_gpu_plus_cpu']:.1%}, at CPU alone "
+            f"{reference['belady_hit_rate_cpu']:.1%}; * the default policy ({default_policy})",
+            80,
+        )
     )
     print(f"report: {out / 'mooncake.md'}  {out / 'mooncake.json'}  ({run_s:.1f} s)")
     return 0

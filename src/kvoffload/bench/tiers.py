@@ -38,10 +38,27 @@ from typing import Any
 import numpy as np
 
 from kvoffload.cli import argtypes
-from kvoffload.transfer.block_buffers import aligned_empty
-from kvoffload.transfer.sizing import format_bytes, parse_bytes
 
 _CHUNK = 16 << 20
+
+
+# The transfer package imports torch: these load it on first use, not for --help.
+def aligned_empty(nbytes: int) -> np.ndarray:
+    from kvoffload.transfer.block_buffers import aligned_empty as impl
+
+    return impl(nbytes)
+
+
+def parse_bytes(value: str | int) -> int:
+    from kvoffload.transfer.sizing import parse_bytes as impl
+
+    return impl(value)
+
+
+def format_bytes(num_bytes: int) -> str:
+    from kvoffload.transfer.sizing import format_bytes as impl
+
+    return impl(num_bytes)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

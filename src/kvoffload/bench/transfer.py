@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from kvoffload.bench.transfer_args import DEFAULT_SIZES, QUICK_SIZES
+from kvoffload.bench.transfer_args import add_arguments as add_arguments  # re-exported
 from kvoffload.cli import argtypes
 from kvoffload.offload.base import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.transfer import (
@@ -42,8 +44,6 @@ from kvoffload.transfer import (
 from kvoffload.transfer.copy_plan import choose_strategy
 from kvoffload.transfer.host_memory import host_buffer, pin_in_place, unpin
 
-DEFAULT_SIZES = "16KiB,64KiB,256KiB,1MiB,4MiB"
-QUICK_SIZES = "16KiB,256KiB"
 # Both tiers must fit in this share of the available memory.
 _MEMORY_SHARE = 0.6
 
@@ -64,57 +64,6 @@ class SizeResult:
     pattern: str
     store_strategy: str
     load_strategy: str
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--sizes",
-        type=argtypes.byte_size_list(1 << 40),
-        default=None,
-        help=f"comma-separated block sizes (all layers, K and V); default {DEFAULT_SIZES}",
-    )
-    parser.add_argument(
-        "--blocks",
-        type=argtypes.positive_int(1 << 24),
-        default=1000,
-        help="blocks per job (default 1000)",
-    )
-    parser.add_argument(
-        "--layout",
-        default="layer_first",
-        choices=[*LAYOUT_KINDS, "all"],
-        help="KV layout of both tiers (default layer_first, the engine's); 'all' runs each",
-    )
-    parser.add_argument(
-        "--layers", type=argtypes.positive_int(1024), default=4, help="model layers (default 4)"
-    )
-    parser.add_argument(
-        "--kv-heads", type=argtypes.positive_int(1024), default=8, help="KV heads (default 8)"
-    )
-    parser.add_argument(
-        "--head-size", type=argtypes.positive_int(4096), default=64, help="head size (default 64)"
-    )
-    parser.add_argument("--dtype", default="float16", help="KV dtype (default float16)")
-    parser.add_argument(
-        "--pattern", choices=("random", "sequential"), default="random", help="block id pattern"
-    )
-    parser.add_argument(
-        "--repeats",
-        type=argtypes.positive_int(10_000),
-        default=5,
-        help="timed rounds, best kept (default 5)",
-    )
-    parser.add_argument(
-        "--threads", type=argtypes.positive_int(1024), default=2, help="worker threads (CPU path)"
-    )
-    parser.add_argument(
-        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="GPU tier device"
-    )
-    parser.add_argument("--seed", type=argtypes.any_int(2**63 - 1, 0), default=0)
-    parser.add_argument(
-        "--quick", action="store_true", help=f"small run for tests: {QUICK_SIZES}, 64 blocks"
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _available_memory() -> int | None:

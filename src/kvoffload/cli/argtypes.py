@@ -39,8 +39,8 @@ def positive_int(maximum: int = MAX_COUNT, minimum: int = 1) -> Callable[[str], 
         except ValueError:
             raise _fail(f"expected an integer, got {text!r}") from None
         if value < minimum:
-            what = "a positive integer" if minimum == 1 else f"an integer >= {minimum:,}"
-            raise _fail(f"expected {what}, got {value}")
+            what = "positive" if minimum == 1 else f">= {minimum:,}"
+            raise _fail(f"must be {what}, got {value}")
         if value > maximum:
             raise _fail(f"{value:,} is too large (at most {maximum:,})")
         return value

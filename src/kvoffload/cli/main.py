@@ -28,6 +28,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "tiers": ("kvoffload.bench.tiers", "disk and Redis tier throughput vs raw I/O"),
     "threads": ("kvoffload.bench.threads", "engine step time across worker thread counts"),
 }
+# Where a command's flags live when its module is heavy: --help must not import torch.
+ARGUMENT_MODULES: dict[str, str] = {"kvoffload.bench.transfer": "kvoffload.bench.transfer_args"}
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("kvoffload.cli.run_cmd", "serve the built-in multi-turn workload with CPU offload"),
     "events": ("kvoffload.cli.events_cmd", "print a KV event publisher's events live"),
@@ -62,6 +64,10 @@ def _load(module: str) -> object:
     return importlib.import_module(module)
 
 
+def _add_arguments(module: str, parser: argparse.ArgumentParser) -> None:
+    _load(ARGUMENT_MODULES.get(module, module)).add_arguments(parser)  # type: ignore[attr-defined]
+
+
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = OneLineParser(prog="kvoffload", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -70,7 +76,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name in wanted[:1]:
-            _load(module).add_arguments(p)  # type: ignore[attr-defined]
+            _add_arguments(module, p)
         p.set_defaults(_module=module)
     bench = sub.add_parser("bench", help="benchmarks", description="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
@@ -79,7 +85,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
             continue  # a benchmark whose module is not there yet
         p = bench_sub.add_parser(name, help=help_text, description=help_text)
         if wanted[:1] == ["bench"] and wanted[1:2] == [name]:
-            _load(module).add_arguments(p)  # type: ignore[attr-defined]
+            _add_arguments(module, p)
         p.set_defaults(_module=module)
     return parser
 
@@ -121,7 +127,10 @@ def describe_error(exc: BaseException) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a one-line usage error (2): a status, not a raise
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
         return int(_load(args._module).run(args) or 0)  # type: ignore[attr-defined]
     except KeyboardInterrupt:

@@ -9,7 +9,8 @@ tied embeddings ``lm_head.weight`` is absent (or ignored if present).
 
 Errors are specific: a missing directory or ``config.json`` is
 ``FileNotFoundError``; an unsupported architecture, a missing, unexpected or
-mis-shaped tensor is ``ValueError`` naming it.
+mis-shaped tensor, or a truncated or garbage weights file is ``ValueError``
+naming it.
 """
 
 from __future__ import annotations
@@ -62,7 +63,14 @@ def load_model_config(
 ) -> ModelConfig:
     """The ``ModelConfig`` of the checkpoint at ``path`` (compute dtype ``dtype``,
     None = float32), without reading any weights."""
-    return ModelConfig.from_hf_config(read_hf_config(path), dtype=dtype)
+    hf = read_hf_config(path)
+    try:
+        return ModelConfig.from_hf_config(hf, dtype=dtype)
+    except (ValueError, TypeError, KeyError) as exc:
+        # Name the file: "invalid literal for int()" alone does not say where.
+        where = Path(path).expanduser() / CONFIG_FILE
+        text = str(exc)
+        raise ValueError(text if str(where) in text else f"{where}: {text}") from None
 
 
 def weight_files(path: str | os.PathLike[str]) -> list[Path]:
@@ -83,6 +91,14 @@ def weight_files(path: str | os.PathLike[str]) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"checkpoint {str(path)!r} has no *.safetensors file")
     return files
+
+
+def _open_weights(file: Path) -> Any:
+    """``safe_open`` of ``file``; a truncated or garbage file is a ``ValueError`` naming it."""
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as exc:  # SafetensorError is not importable under a stable name
+        raise ValueError(f"{file}: not a valid safetensors file ({exc})") from None
 
 
 def _expected_tensors(model: DecoderLM) -> dict[str, torch.Tensor]:
@@ -112,7 +128,7 @@ def load_model(
     unexpected: list[str] = []
     with torch.no_grad():
         for file in files:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
+            with _open_weights(file) as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                     target = expected.get(name)
                     if target is None:
