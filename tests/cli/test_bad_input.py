@@ -364,6 +364,7 @@ def _assert_one_line(code: object, err: str, argv: list[str]) -> None:
     assert len(lines) == 1, f"{argv}: {len(lines)} lines on stderr:\n{err}"
     assert lines[0].startswith("kvoffload: error: "), lines[0]
     assert "Traceback" not in err
+    print(lines[0])  # shown with pytest -rP: the message itself is worth reading
 
 
 def test_the_table_is_large() -> None:
@@ -452,3 +453,27 @@ def test_lock_holder_really_holds(env: dict[str, str]) -> None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     finally:
         os.close(fd)
+
+
+NAMED = [
+    (["run", "--disk-dir", "@locked_dir@", "--requests", "1"], "in use by another process"),
+    (["run", "--disk-dir", "@garbage_manifest_dir@"], "manifest"),
+    (["run", "--model", "@truncated_model@"], "not a valid safetensors file"),
+    (["run", "--redis-url", "@refused_redis@"], "cannot reach Redis"),
+    (["run", "--redis-url", "@password_redis@"], "needs a password"),
+    (["run", "--redis-url", "@db999_redis@"], "DB index is out of range"),
+    (["bench", "tiers", "--skip-disk", "--redis-url", "@password_redis@"], "needs a password"),
+    (["bench", "tiers", "--skip-redis", "--disk-dir", "@file@"], "is not a directory"),
+    (["run", "--gpu-blocks", "1000000000"], "of memory is available"),
+]
+
+
+@pytest.mark.parametrize(("argv", "words"), NAMED, ids=[w for _, w in NAMED])
+def test_the_line_names_the_problem(
+    argv: list[str], words: str, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = _fill(argv, env)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    _assert_one_line(2, err, argv)
+    assert words in err

@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--disk-dir",
-        type=argtypes.non_empty_path,
+        type=argtypes.output_dir,
         default=None,
         help="directory to benchmark in (default: a temp dir)",
     )
@@ -420,6 +420,10 @@ def bench(args: argparse.Namespace, progress: Callable[[], None] = lambda: None)
             if not args.disk_dir:
                 shutil.rmtree(root, ignore_errors=True)
     if not args.skip_redis:
+        if args.redis_url:
+            from kvoffload.cli.preflight import check_redis_reachable
+
+            check_redis_reachable(args.redis_url)  # one clear line, not a client traceback
         with _redis_server(args.redis_url) as url:
             report["redis_url"] = url
             if url is None:

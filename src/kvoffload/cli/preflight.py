@@ -77,9 +77,17 @@ def check_redis_reachable(url: str, timeout_s: float = 3.0) -> None:
         )
     except (ValueError, redis.RedisError) as exc:
         raise ValueError(f"bad Redis URL {shown}: {exc}") from None
+    from urllib.parse import urlsplit
+
+    has_password = urlsplit(url).password is not None
     try:
         client.ping()
     except redis.AuthenticationError as exc:
+        if not has_password:  # redis-py's HELLO error says "credentials" though none were given
+            raise ValueError(
+                f"Redis at {shown} needs a password: give it in the URL "
+                "(redis://:PASSWORD@host:port/db)"
+            ) from None
         raise ValueError(f"Redis at {shown} rejected the credentials ({exc})") from None
     except redis.ConnectionError as exc:
         raise ValueError(f"cannot reach Redis at {shown} ({exc})") from None
