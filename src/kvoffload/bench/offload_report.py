@@ -44,15 +44,9 @@ def table_lines(report: dict[str, Any]) -> list[list[str]]:
         cells.append(f"{sum(ratios) / len(ratios):.1f}x" if ratios else "-")
         lines.append(cells)
     lines.append(
-        ["Belady MIN"]
-        + [f"{100 * caps[lb]['belady_hit_rate']:.2f}" for lb in labels]
-        + ["", ""]
+        ["Belady MIN"] + [f"{100 * caps[lb]['belady_hit_rate']:.2f}" for lb in labels] + ["", ""]
     )
-    lines.append(
-        ["ceiling"]
-        + [f"{100 * report['ceiling_hit_rate']:.2f}"] * len(labels)
-        + ["", ""]
-    )
+    lines.append(["ceiling"] + [f"{100 * report['ceiling_hit_rate']:.2f}"] * len(labels) + ["", ""])
     return lines
 
 
@@ -127,7 +121,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     caps = report["capacities"]
     xs = [caps[lb]["capacity"] for lb in labels]
     fig, ax = plt.subplots(figsize=(8, 5))
-    for name in names:
+    colors = plt.get_cmap("tab20").colors
+    for i, name in enumerate(names):
         ys = [100 * by[name][lb]["hit_rate"] for lb in labels]
         ax.plot(
             xs,
@@ -135,6 +130,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
             marker="o",
             linewidth=2.5 if name == report["default_policy"] else 1.2,
             label=name,
+            color=colors[i % len(colors)],
         )
     ax.plot(xs, [100 * caps[lb]["belady_hit_rate"] for lb in labels], "k--", label="Belady MIN")
     ax.axhline(100 * report["ceiling_hit_rate"], color="grey", linestyle=":", label="ceiling")
