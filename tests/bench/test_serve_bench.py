@@ -134,3 +134,14 @@ def test_unknown_policy_refused_before_any_run(
     assert main(["bench", "serve", "--policies", "lru,bogus"]) == 2
     assert recorded == []
     assert "bogus" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("mode", "modes"), [("off", {"off"}), ("lazy", {"off", "lazy"}), ("eager", {"off", "eager"})]
+)
+def test_store_mode_narrows_the_comparison(
+    mode: str, modes: set[str], recorded: list[EngineConfig], tmp_path: Path
+) -> None:
+    argv = ["bench", "serve", "--store-mode", mode, "--policies", "lru", "--out", str(tmp_path)]
+    assert main([*argv, "--json"]) == 0
+    assert {c.store_mode for c in recorded} == modes

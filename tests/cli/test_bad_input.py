@@ -90,6 +90,7 @@ case("run --disk-dir in /proc", "run", "--disk-dir", "/proc/kvoffload-test", "--
 case("run --disk-dir garbage manifest", "run", "--disk-dir", "@garbage_manifest_dir@")
 case("run --disk-dir foreign manifest", "run", "--disk-dir", "@foreign_manifest_dir@")
 case("run --disk-dir locked", "run", "--disk-dir", "@locked_dir@", "--requests", "1")
+case("run --disk-blocks 1e12", "run", "--disk-dir", "@empty_dir@/d", "--disk-blocks", BIG)
 case("run --redis-url ''", "run", "--redis-url", "")
 case("run --redis-url http", "run", "--redis-url", "http://127.0.0.1:6379/0")
 case("run --redis-url no host", "run", "--redis-url", "redis://")
