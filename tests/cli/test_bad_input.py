@@ -478,3 +478,20 @@ def test_the_line_names_the_problem(
     err = capsys.readouterr().err
     _assert_one_line(2, err, argv)
     assert words in err
+
+
+def test_allocator_errors_read_as_out_of_memory(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvoffload.bench.blocks as blocks
+
+    def oom(*_: object) -> dict[str, object]:
+        raise RuntimeError(
+            "DefaultCPUAllocator: can't allocate memory: you tried to allocate 1099511627776 bytes"
+        )
+
+    monkeypatch.setattr(blocks, "bench", oom)
+    assert main(["bench", "blocks"]) == 2
+    err = capsys.readouterr().err
+    _assert_one_line(2, err, ["bench", "blocks"])
+    assert "out of memory" in err and "unexpected" not in err

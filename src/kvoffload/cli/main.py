@@ -115,7 +115,9 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
 def describe_error(exc: BaseException) -> str:
     """The one-line message for ``exc``: expected errors as they are, others with their type."""
     text = one_line(exc) or type(exc).__name__
-    if isinstance(exc, MemoryError):
+    if isinstance(exc, MemoryError) or (
+        isinstance(exc, RuntimeError) and "allocate" in text and "memory" in text.lower()
+    ):  # torch's allocators raise RuntimeError("... can't allocate memory ...")
         return f"out of memory ({text}); use smaller sizes"
     if isinstance(exc, _expected_errors()):
         if isinstance(exc, OSError) and exc.filename and str(exc.filename) not in text:
