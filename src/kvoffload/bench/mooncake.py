@@ -237,4 +237,3 @@ def replay_mooncake(
         res.cpu_hit_blocks += cpu_hit
     res.seconds = time.perf_counter() - start
     return res
-
