@@ -165,7 +165,7 @@ def small_model() -> DecoderLM:
 
 
 @settings(
-    max_examples=12,
+    max_examples=8,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
