@@ -26,7 +26,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "transfer": ("kvoffload.bench.transfer", "GPU<->CPU block copy bandwidth vs bulk copy"),
     "serve": ("kvoffload.bench.serve", "the serving workload across offload configurations"),
     "tiers": ("kvoffload.bench.tiers", "disk and Redis tier throughput vs raw I/O"),
-    "threads": ("kvoffload.bench.threads", "engine step time across worker thread counts"),
+    "threads": (
+        "kvoffload.bench.threads",
+        "kvoffload run quiet vs beside a busy process (wall-time ratio)",
+    ),
+    "events": ("kvoffload.bench.events", "KV event publish/decode rates, vllm vs legacy profile"),
 }
 # Where a command's flags live when its module is heavy: --help must not import torch.
 ARGUMENT_MODULES: dict[str, str] = {"kvoffload.bench.transfer": "kvoffload.bench.transfer_args"}

@@ -160,7 +160,11 @@ def make_lower_tiers(
                 direct_io=direct_io,
             )
             restored = [(OffloadKey(e.key), e.slot) for e in disk_store.entries()]
-            lower.append(DiskOffloadingManager(disk_blocks, enable_events, restored))
+            lower.append(
+                DiskOffloadingManager(
+                    disk_blocks, enable_events, restored, clear_store=disk_store.clear
+                )
+            )
             disk_handler = DiskTransferHandler(disk_store, host_pool, num_threads)
         if redis_url:
             redis_store = RedisBlockStore(
