@@ -65,9 +65,8 @@ class SecondSightPolicy(CachePolicy):
         """Move the rejects among ``keys`` into the inner policy."""
         rejects = self.rejects
         if rejects:
-            promoted = [k for k in keys if k in rejects]
-            for k in promoted:
-                del rejects[k]
+            # A key may repeat within one call (touch([k, k])): pop() takes it once.
+            promoted = [k for k in keys if rejects.pop(k, rejects) is None]
             if promoted:
                 self.inner.insert(promoted)
 
