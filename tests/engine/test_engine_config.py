@@ -3,7 +3,11 @@
 import pytest
 
 from kvoffload.engine import EngineConfig, LLMEngine
-from kvoffload.engine.threads import apply_thread_policy, default_wait_policy_env
+from kvoffload.engine.threads import (
+    DEFAULT_NUM_THREADS,
+    apply_thread_policy,
+    default_wait_policy_env,
+)
 
 
 def test_defaults_follow_vllm() -> None:
@@ -40,7 +44,7 @@ def test_thread_policy() -> None:
 
     before = torch.get_num_threads()
     try:
-        assert apply_thread_policy(None) == before
+        assert apply_thread_policy(None) == DEFAULT_NUM_THREADS == torch.get_num_threads()
         assert apply_thread_policy(1) == 1 == torch.get_num_threads()
         with pytest.raises(ValueError):
             apply_thread_policy(0)

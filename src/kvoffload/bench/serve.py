@@ -27,27 +27,16 @@ from typing import Any
 from kvoffload.cli import argtypes
 from kvoffload.cli.engine_args import add_engine_arguments
 
+
+def _engine_dests() -> tuple[str, ...]:
+    """Every engine flag's dest, read off the shared parser so none can be missed."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(probe)
+    return tuple(a.dest for a in probe._actions)
+
+
 # Engine flags whose absence we need to see (their defaults depend on the mode).
-_ENGINE_DESTS = (
-    "model_path",
-    "seed",
-    "block_size",
-    "num_gpu_blocks",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "kv_layout",
-    "hash_fn",
-    "store_mode",
-    "num_cpu_blocks",
-    "cpu_bytes",
-    "cache_policy",
-    "disk_dir",
-    "num_disk_blocks",
-    "redis_url",
-    "write_through",
-    "events_endpoint",
-    "events_replay_endpoint",
-)
+_ENGINE_DESTS = _engine_dests()
 # What the Mooncake replay cannot use: it has block ids, no model and no KV bytes.
 _MOONCAKE_REFUSED = {
     "model_path": "--model",
@@ -63,6 +52,10 @@ _MOONCAKE_REFUSED = {
     "events_replay_endpoint": "--events-replay-endpoint",
     "max_num_seqs": "--max-num-seqs (use --concurrency: requests holding blocks)",
     "max_num_batched_tokens": "--max-num-batched-tokens",
+    "dtype": "--dtype",
+    "hash_seed": "--hash-seed",
+    "num_threads": "--threads",
+    "events_format": "--events-format",
 }
 
 

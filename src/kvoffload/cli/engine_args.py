@@ -47,6 +47,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--kv-layout", choices=KV_LAYOUTS, default=d.kv_layout)
     g.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16", "float64"),
+        default=d.dtype,
+        help="compute and KV dtype of the model (a checkpoint is cast to it)",
+    )
+    g.add_argument(
         "--hash-fn",
         choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor", "xxhash64"),
         default=d.hash_fn,
@@ -62,7 +68,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         dest="num_threads",
         type=argtypes.positive_int(1 << 10),
         default=d.num_threads,
-        help="torch threads for the model (default: one per core)",
+        help="torch threads for the model (default: 1; its GEMMs are too small to gain "
+        "from more, and one thread keeps its speed beside a busy process)",
     )
     o = parser.add_argument_group("offload")
     o.add_argument(
@@ -145,6 +152,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
             "max_num_seqs",
             "max_num_batched_tokens",
             "kv_layout",
+            "dtype",
             "hash_fn",
             "store_mode",
             "num_cpu_blocks",

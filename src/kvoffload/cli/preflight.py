@@ -13,16 +13,15 @@ from kvoffload.engine.config import EngineConfig
 def kv_bytes_per_block(config: EngineConfig) -> int:
     """Bytes of one KV block of the configured model (all layers, K and V)."""
     from kvoffload.engine.model_runner import _model_config
-    from kvoffload.transfer.layout import KVGeometry, parse_dtype
+    from kvoffload.transfer.layout import KVGeometry
 
     mc = _model_config(config)
-    dtype = parse_dtype(config.dtype) if config.model_path is None else mc.torch_dtype
     geometry = KVGeometry(
         num_layers=mc.num_layers,
         num_kv_heads=mc.num_kv_heads,
         head_size=mc.head_dim,
         block_size=config.block_size,
-        dtype=dtype,
+        dtype=mc.torch_dtype,
     )
     return int(geometry.bytes_per_block)
 

@@ -14,7 +14,7 @@ import torch
 
 from kvoffload.engine.config import EngineConfig
 from kvoffload.engine.request import Request
-from kvoffload.transfer.layout import KVGeometry, KVLayout, parse_dtype
+from kvoffload.transfer.layout import KVGeometry, KVLayout
 
 
 def _model_config(config: EngineConfig):
@@ -23,7 +23,7 @@ def _model_config(config: EngineConfig):
 
     if config.model_path is None:
         return ModelConfig(dtype=config.dtype)
-    return load_model_config(config.model_path)
+    return load_model_config(config.model_path, config.dtype)
 
 
 def peek_vocab_size(config: EngineConfig) -> int:
@@ -42,10 +42,10 @@ class ModelRunner:
             self.model_config = _model_config(config)
             self.model = build_model(self.model_config, seed=config.seed)
         else:
-            self.model, self.model_config = load_model(config.model_path)
+            self.model, self.model_config = load_model(config.model_path, config.dtype)
         self.model.eval()
         mc = self.model_config
-        self.dtype = parse_dtype(config.dtype) if config.model_path is None else mc.torch_dtype
+        self.dtype = mc.torch_dtype
         self.geometry = KVGeometry(
             num_layers=mc.num_layers,
             num_kv_heads=mc.num_kv_heads,

@@ -11,14 +11,17 @@ process, with 2 threads).
 
 The policy:
 
+- one intra-op thread unless ``EngineConfig.num_threads`` says otherwise
+  (``DEFAULT_NUM_THREADS``): a step's GEMMs are too small for a second thread
+  to pay for its barriers. Measured on a 2-core VM whose host took 13-20% of
+  the CPU (steal), default workload, three runs each, interleaved: 16.3-17.4 s
+  with one thread, 35.3-38.2 s with two. One thread never waits at a barrier,
+  so a busy neighbour costs it one core's share and nothing more;
 - the ``kvoffload`` command sets ``OMP_WAIT_POLICY=PASSIVE`` before torch is
-  imported (``kvoffload.cli.engine_args``; a value the user set wins), so
-  idle workers sleep and give their core back at once;
-- the thread count stays torch's (one per core) unless
-  ``EngineConfig.num_threads`` says otherwise. A program that embeds the
-  engine and imported torch first keeps its own OpenMP settings; it can set
-  ``OMP_WAIT_POLICY=PASSIVE`` itself, or ``num_threads=1``, which never
-  waits at a barrier at all.
+  imported (``kvoffload.cli.engine_args``; a value the user set wins), so that
+  when a user asks for more threads, idle workers sleep and give their core
+  back instead of spinning. A program that embeds the engine and imported
+  torch first keeps its own OpenMP settings.
 
 Results do not depend on the thread count (the model's GEMMs are
 batch-invariant per call; see ``kvoffload.engine.model``), so this is a
@@ -33,6 +36,7 @@ import torch
 
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
 DEFAULT_WAIT_POLICY = "PASSIVE"
+DEFAULT_NUM_THREADS = 1
 
 
 def default_wait_policy_env(environ: dict[str, str] | None = None) -> None:
@@ -45,10 +49,11 @@ def default_wait_policy_env(environ: dict[str, str] | None = None) -> None:
 
 
 def apply_thread_policy(num_threads: int | None) -> int:
-    """Use ``num_threads`` intra-op threads (None: leave torch's); returns the count in use."""
-    if num_threads is not None:
-        if num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
-        if torch.get_num_threads() != num_threads:
-            torch.set_num_threads(num_threads)
+    """Use ``num_threads`` intra-op threads (None: ``DEFAULT_NUM_THREADS``); returns the count."""
+    if num_threads is None:
+        num_threads = DEFAULT_NUM_THREADS
+    if num_threads < 1:
+        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+    if torch.get_num_threads() != num_threads:
+        torch.set_num_threads(num_threads)
     return torch.get_num_threads()
