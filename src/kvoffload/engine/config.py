@@ -22,7 +22,10 @@ class EngineConfig:
     block_size: int = 16
     num_gpu_blocks: int = 96
     max_num_seqs: int = 8
-    max_num_batched_tokens: int = 512
+    # A prompt of the demo (about 290 tokens) spans several steps of this budget, as a
+    # real prompt spans several chunks of a real server's budget; with one step per
+    # prompt, an asynchronous load's extra step would cost more TTFT than it saves.
+    max_num_batched_tokens: int = 64
     kv_layout: str = "layer_first"
     hash_fn: str = "sha256"  # vLLM 0.33's default: mixed fleets share hashes
     # NONE_HASH seed (vLLM's PYTHONHASHSEED role); None = the environment's, else
