@@ -17,7 +17,6 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import urlsplit
 
 # Generous caps for counts that size a Python-side structure (requests, ops):
 # beyond them a run would take hours or exhaust memory, not measure anything.
@@ -112,36 +111,21 @@ def existing_dir(text: str) -> str:
 
 
 def redis_url(text: str) -> str:
-    """A ``redis://``, ``rediss://``, ``unix://`` or ``redis+cluster://`` URL with a host.
+    """A Redis URL as the Redis tier accepts it (``kvoffload.transfer.redis_store.normalize_url``).
 
-    The database number, when given, must be a non-negative integer (the
-    server decides how many it has; that is checked on connect).
+    ``redis://``, ``rediss://``, ``valkey://``, ``unix://`` or a
+    ``redis+cluster://h1:p1,h2:p2`` seed list; the database number, when given,
+    is checked on connect against what the server has.
     """
     if not text or not text.strip():
         raise _fail("expected a Redis URL such as redis://127.0.0.1:6379/0, got an empty string")
+    # Imported here: redis-py is not needed for --help or any other flag.
+    from kvoffload.transfer.redis_store import normalize_url
+
     try:
-        parts = urlsplit(text)
-        port = parts.port
+        return normalize_url(text)
     except ValueError as exc:
-        raise _fail(f"not a Redis URL: {text!r} ({exc})") from None
-    scheme = parts.scheme.lower()
-    if scheme not in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
-        raise _fail(
-            f"not a Redis URL: {text!r} (expected redis://host:port/db, rediss://, "
-            "unix:// or redis+cluster://)"
-        )
-    if scheme == "unix":
-        if not parts.path:
-            raise _fail(f"not a Redis URL: {text!r} (unix:// needs a socket path)")
-        return text
-    if not parts.hostname:
-        raise _fail(f"not a Redis URL: {text!r} (no host)")
-    if port == 0:
-        raise _fail(f"not a Redis URL: {text!r} (port 0)")
-    db = parts.path.strip("/")
-    if db and (not db.isdigit() or int(db) > 1_000_000):
-        raise _fail(f"not a Redis URL: {text!r} (database must be a small integer, got {db!r})")
-    return text
+        raise _fail(str(exc)) from None
 
 
 def zmq_endpoint(text: str) -> str:
