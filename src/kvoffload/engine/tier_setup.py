@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvoffload.engine.config import EngineConfig
 from kvoffload.engine.model_identity import engine_model_identity
 from kvoffload.engine.model_runner import ModelRunner
+from kvoffload.hashing.block_hash import none_hash_seed_is_random, resolve_none_hash_seed
 from kvoffload.offload import CPUOffloadingManager
 from kvoffload.offload.base import OffloadingManager
 from kvoffload.transfer.host_pool import HostPool
@@ -31,7 +32,7 @@ def build_lower_tiers(
         runner.layout,
         hash_fn=config.hash_fn,
         model_id=engine_model_identity(config.model_path, runner.model_config, config.seed),
-        hash_seed=config.hash_seed,
+        hash_seed=_fingerprint_seed(config),
         disk_dir=config.disk_dir,
         disk_bytes=config.disk_bytes,
         disk_blocks=None if config.disk_bytes else config.num_disk_blocks,
@@ -42,3 +43,14 @@ def build_lower_tiers(
     )
     tiers.register(worker)
     return tiers.manager, (tiers,)
+
+
+def _fingerprint_seed(config: EngineConfig) -> str | None:
+    """The chain seed as a tier records it: None (per process) only when it is drawn at random.
+
+    sha256's fixed default is a real, shared seed: engines that leave
+    ``hash_seed`` unset must match one that names that default.
+    """
+    if none_hash_seed_is_random(config.hash_fn, config.hash_seed):
+        return None
+    return resolve_none_hash_seed(config.hash_fn, config.hash_seed)
