@@ -14,7 +14,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -116,8 +116,9 @@ def run_schedule(model: DecoderLM, pieces: list[int], companions: list[int], see
         work = [("s", n)]
         for i, c in enumerate(companions):
             sid = f"c{i}"
-            left = len(sim.tokens[sid]) - sim.computed[sid]
-            work.insert((i + step) % (len(work) + 1), (sid, min(left, (c + 3 * step) % 9)))
+            n_c = min(len(sim.tokens[sid]) - sim.computed[sid], (c + 3 * step) % 9)
+            if n_c:  # a scheduler never schedules an item with no tokens
+                work.insert((i + step) % (len(work) + 1), (sid, n_c))
         sim.step(work, all_logits=step % 2 == 0)
 
 
@@ -174,6 +175,8 @@ def small_model() -> DecoderLM:
     companions=st.lists(st.integers(0, 80), max_size=3),
     seed=st.integers(0, 1000),
 )
+# A companion with no tokens to compute in some step (found by hypothesis in CI).
+@example(pieces=[1, 1, 1, 1, 1, 1], companions=[0, 30], seed=0)
 def test_random_schedules_keep_to_the_declared_shapes(small_model, pieces, companions, seed):
     calls, ops = record(small_model, pieces, companions, seed)
     declared = small_model.gemm_shapes()
