@@ -171,6 +171,7 @@ def test_events_stored_and_removed() -> None:
             lora_id=None,
             medium="GPU",
             lora_name="ad",
+            extra_keys=[("ad",)],  # vLLM's untagged per-block form
         ),
         BlockStored(
             block_hashes=[hs[1]],
@@ -179,6 +180,7 @@ def test_events_stored_and_removed() -> None:
             block_size=BS,
             lora_id=None,
             medium="GPU",
+            extra_keys=[None],  # vLLM sends one entry per block, None without keys
         ),
     ]
     assert pool.take_events() == []

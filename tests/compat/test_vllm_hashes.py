@@ -216,3 +216,39 @@ def test_hash_block_tokens_and_extra_keys_match(monkeypatch, fn_name: str) -> No
         assert hash_block_tokens(ours_fn, parent, tokens, o_keys) == vku.hash_block_tokens(
             fn, None, tokens, v_keys
         )
+
+
+@pytest.mark.parametrize("lora", LORAS)
+@pytest.mark.parametrize("salt", SALTS)
+def test_event_extra_keys_are_vllms_untagged_form(lora, salt) -> None:
+    """A GPU ``BlockStored`` carries each block's extra keys as vLLM's block pool publishes them."""
+    from kvoffload.blocks.block_pool import BlockPool
+    from kvoffload.hashing import event_extra_keys
+
+    block_size, num_blocks = 4, 3
+    req = VllmRequest(
+        "r",
+        list(range(block_size * num_blocks)),
+        SamplingParams(max_tokens=1),
+        None,
+        lora_request=LoRARequest(*lora) if lora else None,
+        cache_salt=salt,
+    )
+    want = vku.to_event_extra_keys(
+        [
+            vku.generate_block_hash_extra_keys(req, i * block_size, (i + 1) * block_size, 0)[0]
+            for i in range(num_blocks)
+        ]
+    )
+    name, path = (lora[0], lora[2]) if lora else (None, None)
+    ours = [event_extra_keys(block_extra_keys(i, name, salt, path)) for i in range(num_blocks)]
+    assert ours == want
+
+    pool = BlockPool(8, enable_caching=True, enable_kv_cache_events=True)
+    blocks = pool.get_new_blocks(num_blocks)
+    hashes = [bytes([i]) * 32 for i in range(num_blocks)]
+    pool.cache_full_blocks(
+        blocks, hashes, 0, num_blocks, block_size, req.all_token_ids, None, name, salt
+    )
+    (event,) = pool.take_events()
+    assert event.extra_keys == want

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from kvoffload.blocks.free_queue import FreeKVCacheBlockQueue
 from kvoffload.blocks.kv_cache_block import KVCacheBlock
 from kvoffload.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from kvoffload.hashing import BlockHash
+from kvoffload.hashing import BlockHash, block_extra_keys, event_extra_keys
 
 
 class BlockPool:
@@ -75,11 +75,14 @@ class BlockPool:
         token_ids: Sequence[int] | None = None,
         lora_id: int | None = None,
         lora_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Cache ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes.
 
         ``blocks`` and ``block_hashes`` are the request's, from its first block;
-        ``token_ids`` the request's tokens (needed only for events).
+        ``token_ids`` the request's tokens, ``lora_name`` and ``cache_salt`` its
+        hash inputs (needed only for events: ``BlockStored.extra_keys`` holds
+        each new block's extra keys, untagged, as vLLM publishes them).
         """
         if num_cached_blocks >= num_full_blocks or not self.enable_caching:
             return
@@ -89,6 +92,7 @@ class BlockPool:
                 f"and {len(block_hashes)} hashes"
             )
         new_hashes: list[bytes] = []
+        new_indices: list[int] = []
         table = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
@@ -106,6 +110,7 @@ class BlockPool:
             else:
                 entry[block.block_id] = block
             new_hashes.append(block_hash)
+            new_indices.append(i)
         if self.enable_kv_cache_events and new_hashes:
             parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
             tokens = (
@@ -122,6 +127,10 @@ class BlockPool:
                     lora_id=lora_id,
                     medium=MEDIUM_GPU,
                     lora_name=lora_name,
+                    extra_keys=[
+                        event_extra_keys(block_extra_keys(i, lora_name, cache_salt))
+                        for i in new_indices
+                    ],
                 )
             )
 

@@ -73,6 +73,7 @@ class KVCacheManager:
                 self.block_size,
                 request.all_token_ids,
                 lora_name=request.lora_name,
+                cache_salt=request.cache_salt,
             )
             request.num_cached_blocks = num_full
 

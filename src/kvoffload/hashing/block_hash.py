@@ -215,6 +215,18 @@ def block_extra_keys(
     return tuple(keys) if keys else None
 
 
+def event_extra_keys(keys: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+    """One block's extra keys as KV events carry them: untagged, as vLLM 0.33 publishes.
+
+    A tagged key loses its tag (``("lora", name, path)`` -> ``name``,
+    ``("cache_salt", salt)`` -> ``salt``), except multimodal ones, which keep
+    their ``(identifier, offset)`` pair. The block hash itself uses the tagged form.
+    """
+    if keys is None:
+        return None
+    return tuple(k[1:] if k[0] == "mm" else k[1] for k in keys)
+
+
 class BlockHasher:
     """Incremental hasher of one request's full blocks.
 
