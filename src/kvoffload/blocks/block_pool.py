@@ -92,7 +92,6 @@ class BlockPool:
                 f"and {len(block_hashes)} hashes"
             )
         new_hashes: list[bytes] = []
-        new_indices: list[int] = []
         table = self.cached_block_hash_to_block
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
@@ -110,7 +109,6 @@ class BlockPool:
             else:
                 entry[block.block_id] = block
             new_hashes.append(block_hash)
-            new_indices.append(i)
         if self.enable_kv_cache_events and new_hashes:
             parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
             tokens = (
@@ -129,7 +127,8 @@ class BlockPool:
                     lora_name=lora_name,
                     extra_keys=[
                         event_extra_keys(block_extra_keys(i, lora_name, cache_salt))
-                        for i in new_indices
+                        for i in range(num_cached_blocks, num_full_blocks)
+                        if not blocks[i].is_null
                     ],
                 )
             )

@@ -6,17 +6,14 @@ waiting at barriers. OpenMP's default is to *spin* while waiting: on a quiet
 machine that saves a wake-up per region, but as soon as another process
 keeps a core busy, a spinning worker and the engine's main thread compete
 with it for the cores, every barrier waits for a descheduled thread, and a
-run takes several times longer (measured: 8.5 s quiet, 60 s beside one busy
-process, with 2 threads).
+run takes several times longer.
 
 The policy:
 
 - one intra-op thread unless ``EngineConfig.num_threads`` says otherwise
   (``DEFAULT_NUM_THREADS``): a step's GEMMs are too small for a second thread
-  to pay for its barriers. Measured on a 2-core VM whose host took 13-20% of
-  the CPU (steal), default workload, three runs each, interleaved: 16.3-17.4 s
-  with one thread, 35.3-38.2 s with two. One thread never waits at a barrier,
-  so a busy neighbour costs it one core's share and nothing more;
+  to pay for its barriers. One thread never waits at a barrier, so a busy
+  neighbour costs it one core's share and nothing more;
 - the ``kvoffload`` command sets ``OMP_WAIT_POLICY=PASSIVE`` before torch is
   imported (``kvoffload.cli.engine_args``; a value the user set wins), so that
   when a user asks for more threads, idle workers sleep and give their core
@@ -36,6 +33,9 @@ import torch
 
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
 DEFAULT_WAIT_POLICY = "PASSIVE"
+# Measured with `kvoffload run` on a 2-core VM whose host took 13-20% of the CPU:
+# 16.3-17.4 s with one thread, 35.3-38.2 s with two (three interleaved runs each);
+# earlier, with two spinning threads: 8.5 s quiet, 60 s beside one busy process.
 DEFAULT_NUM_THREADS = 1
 
 
