@@ -12,18 +12,9 @@ from kvoffload.engine.config import EngineConfig
 
 def kv_bytes_per_block(config: EngineConfig) -> int:
     """Bytes of one KV block of the configured model (all layers, K and V)."""
-    from kvoffload.engine.model_runner import _model_config
-    from kvoffload.transfer.layout import KVGeometry
+    from kvoffload.engine.model_runner import _model_config, kv_geometry
 
-    mc = _model_config(config)
-    geometry = KVGeometry(
-        num_layers=mc.num_layers,
-        num_kv_heads=mc.num_kv_heads,
-        head_size=mc.head_dim,
-        block_size=config.block_size,
-        dtype=mc.torch_dtype,
-    )
-    return int(geometry.bytes_per_block)
+    return int(kv_geometry(_model_config(config), config.block_size).bytes_per_block)
 
 
 def engine_memory_bytes(config: EngineConfig) -> int:

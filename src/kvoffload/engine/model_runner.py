@@ -26,6 +26,17 @@ def _model_config(config: EngineConfig):
     return load_model_config(config.model_path, config.dtype)
 
 
+def kv_geometry(model_config, block_size: int) -> KVGeometry:
+    """The KV cache geometry of ``model_config`` (a ``ModelConfig``) in blocks of ``block_size``."""
+    return KVGeometry(
+        num_layers=model_config.num_layers,
+        num_kv_heads=model_config.num_kv_heads,
+        head_size=model_config.head_dim,
+        block_size=block_size,
+        dtype=model_config.torch_dtype,
+    )
+
+
 def peek_vocab_size(config: EngineConfig) -> int:
     """The model's vocabulary size without building the model."""
     return int(_model_config(config).vocab_size)
@@ -46,13 +57,7 @@ class ModelRunner:
         self.model.eval()
         mc = self.model_config
         self.dtype = mc.torch_dtype
-        self.geometry = KVGeometry(
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_size=mc.head_dim,
-            block_size=config.block_size,
-            dtype=self.dtype,
-        )
+        self.geometry = kv_geometry(mc, config.block_size)
         self.layout = KVLayout(self.geometry, config.kv_layout)
         self.kv_tensors = self.layout.allocate(config.num_gpu_blocks, device="cpu")
         self.kv_caches = [
