@@ -70,6 +70,41 @@ class CachePolicy(ABC):
         """
         return None
 
+    # Queue and session hints. The manager forwards what the engine knows about
+    # requests that have arrived but not run. Contract for every policy:
+    # - each hint costs O(keys of the request) (``hint_dequeued``: O(keys given
+    #   to the matching ``hint_queued``); no hint scans the stored blocks;
+    # - keys in hints may be resident, absent or never stored; a hint never
+    #   inserts, evicts or pins anything by itself and never changes what the
+    #   manager may evict (``num_evictable`` counts hinted keys as evictable);
+    # - hints are soft: a policy that ignores them (the defaults below) is correct.
+
+    def hint_queued(self, request_id: str, keys: Sequence[OffloadKey]) -> None:
+        """Request ``request_id`` has arrived and waits; ``keys`` are its full-block keys.
+
+        A policy may protect and prefer these keys until ``hint_dequeued``.
+        Queued again under the same id replaces the earlier keys. Cost
+        O(len(keys)); the default ignores it.
+        """
+        return None
+
+    def hint_dequeued(self, request_id: str) -> None:
+        """Request ``request_id`` was scheduled, aborted or finished: its hint ends.
+
+        Releases what ``hint_queued`` protected for it; an unknown id is
+        ignored. Cost O(keys of that request); the default ignores it.
+        """
+        return None
+
+    def hint_continues(self, keys: Sequence[OffloadKey]) -> None:
+        """Session hint: the conversation whose blocks are ``keys`` will continue.
+
+        A soft priority (a later turn is expected to read these keys again),
+        weaker than a queued request's claim and never a pin. Cost
+        O(len(keys)); the default ignores it.
+        """
+        return None
+
     @abstractmethod
     def __len__(self) -> int:
         """Resident keys (pinned included)."""
