@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from kvoffload.cli.argtypes import redis_url
-from kvoffload.transfer.redis_store import normalize_url
+from kvoffload.tiers.redis.store import normalize_url
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from kvoffload.engine.model_identity import (
     random_model_identity,
 )
 from kvoffload.engine.request import SamplingParams
-from kvoffload.transfer.disk_store import DiskStoreMismatchError
+from kvoffload.tiers.disk.store import DiskStoreMismatchError
 from tests.conftest_redis import RedisServer, redis_server, redis_server_factory
 
 __all__ = ["redis_server", "redis_server_factory"]

@@ -21,7 +21,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvoffload.integrations.vllm import KVOffloadConfigError  # noqa: E402
-from kvoffload.transfer.disk_store import DiskStoreMismatchError  # noqa: E402
+from kvoffload.tiers.disk.store import DiskStoreMismatchError  # noqa: E402
 from tests.conftest_redis import free_port  # noqa: E402
 from tests.integrations.vllm_rig import BLOCK_SIZE, VLLMRig  # noqa: E402
 

@@ -16,8 +16,8 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 from kvoffload.integrations.vllm import KVOffloadManager, parse_settings  # noqa: E402
 from kvoffload.integrations.vllm.settings import KVOffloadConfigError  # noqa: E402
 from kvoffload.offload import CPUOffloadingManager  # noqa: E402
-from kvoffload.offload.disk_manager import DiskOffloadingManager  # noqa: E402
 from kvoffload.offload.tiered_manager import TieredOffloadingManager  # noqa: E402
+from kvoffload.tiers.disk.manager import DiskOffloadingManager  # noqa: E402
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 HIT_PENDING, RETRY = LookupResult.HIT_PENDING, LookupResult.RETRY

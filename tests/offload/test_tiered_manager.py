@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 
 from kvoffload.offload import CPULoadStoreSpec, CPUOffloadingManager, GPULoadStoreSpec, OffloadKey
-from kvoffload.offload.disk_manager import DiskOffloadingManager
 from kvoffload.offload.lower_tier import (
     DiskLoadStoreSpec,
     RemoteLoadStoreSpec,
     TierCopy,
     TieredLoadStoreSpec,
 )
-from kvoffload.offload.remote_manager import RemoteOffloadingManager
 from kvoffload.offload.tiered_manager import TieredOffloadingManager, subset_spec
+from kvoffload.tiers.disk.manager import DiskOffloadingManager
+from kvoffload.tiers.redis.manager import RemoteOffloadingManager
 from tests.offload.keyutil import key, keys
 from tests.offload.tier_world import World
 

@@ -17,10 +17,10 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvoffload.offload import CPUOffloadingManager, GPULoadStoreSpec, LoadStoreSpec, OffloadKey
-from kvoffload.offload.disk_manager import DiskOffloadingManager
 from kvoffload.offload.lower_tier import LowerTierManager
-from kvoffload.offload.remote_manager import RemoteOffloadingManager
 from kvoffload.offload.tiered_manager import TieredOffloadingManager
+from kvoffload.tiers.disk.manager import DiskOffloadingManager
+from kvoffload.tiers.redis.manager import RemoteOffloadingManager
 from tests.offload.keyutil import key
 from tests.offload.tier_world import GARBAGE, World
 

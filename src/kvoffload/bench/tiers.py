@@ -148,7 +148,7 @@ def _raw_disk(path: Path, data: np.ndarray, direct: bool) -> tuple[float, float]
 
 
 def bench_disk(args: argparse.Namespace, block_bytes: int, root: Path) -> dict[str, Any]:
-    from kvoffload.transfer.disk_store import DiskBlockStore
+    from kvoffload.tiers.disk.store import DiskBlockStore
 
     n = max(1, parse_bytes(args.total) // block_bytes)
     data = aligned_empty(n * block_bytes).reshape(n, block_bytes)
@@ -216,8 +216,8 @@ def bench_disk_handler(args: argparse.Namespace, block_bytes: int, root: Path) -
 
     from kvoffload.offload import CPULoadStoreSpec
     from kvoffload.offload.lower_tier import DiskLoadStoreSpec
-    from kvoffload.transfer.disk_handler import DiskTransferHandler
-    from kvoffload.transfer.disk_store import DiskBlockStore
+    from kvoffload.tiers.disk.handler import DiskTransferHandler
+    from kvoffload.tiers.disk.store import DiskBlockStore
     from kvoffload.transfer.host_pool import HostPool
     from kvoffload.transfer.layout import KVGeometry, KVLayout
     from kvoffload.transfer.spec import TransferSpec
@@ -323,7 +323,7 @@ def _redis_server(url: str | None) -> Iterator[str | None]:
 def bench_redis(args: argparse.Namespace, block_bytes: int, url: str) -> dict[str, Any]:
     import redis
 
-    from kvoffload.transfer.redis_store import RedisBlockStore
+    from kvoffload.tiers.redis.store import RedisBlockStore
 
     n = max(1, parse_bytes(args.total) // block_bytes)
     data = np.random.default_rng(0).integers(0, 256, (n, block_bytes), dtype=np.uint8)

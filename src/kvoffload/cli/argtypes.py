@@ -111,7 +111,7 @@ def existing_dir(text: str) -> str:
 
 
 def redis_url(text: str) -> str:
-    """A Redis URL as the Redis tier accepts it (``kvoffload.transfer.redis_store.normalize_url``).
+    """A Redis URL as the Redis tier accepts it (``kvoffload.tiers.redis.store.normalize_url``).
 
     ``redis://``, ``rediss://``, ``valkey://``, ``unix://`` or a
     ``redis+cluster://h1:p1,h2:p2`` seed list; the database number, when given,
@@ -120,7 +120,7 @@ def redis_url(text: str) -> str:
     if not text or not text.strip():
         raise _fail("expected a Redis URL such as redis://127.0.0.1:6379/0, got an empty string")
     # Imported here: redis-py is not needed for --help or any other flag.
-    from kvoffload.transfer.redis_store import normalize_url
+    from kvoffload.tiers.redis.store import normalize_url
 
     try:
         return normalize_url(text)

@@ -102,9 +102,9 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     """
     types: list[type[BaseException]] = [ValueError, OSError, MemoryError, LookupError]
     for module, name in (
-        ("kvoffload.transfer.disk_store", "DiskStoreError"),
-        ("kvoffload.transfer.redis_store", "RedisStoreError"),
-        ("kvoffload.transfer.tiered_handler", "JobRejected"),
+        ("kvoffload.tiers.disk.store", "DiskStoreError"),
+        ("kvoffload.tiers.redis.store", "RedisStoreError"),
+        ("kvoffload.tiers.tiered_handler", "JobRejected"),
         ("redis.exceptions", "RedisError"),
         ("safetensors", "SafetensorError"),
         ("zmq", "ZMQError"),

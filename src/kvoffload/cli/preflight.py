@@ -58,7 +58,7 @@ def check_redis_reachable(url: str, timeout_s: float = 3.0) -> None:
         return
     import redis
 
-    from kvoffload.transfer.redis_store import redact_url
+    from kvoffload.tiers.redis.store import redact_url
 
     shown = redact_url(url)
     try:

@@ -3,7 +3,7 @@
 A persistent or shared tier (a disk directory, a Redis namespace) must never
 hand one model's KV blocks to another. Block hashes cover tokens only, so
 two models of the same shape produce the same hashes; the tier's fingerprint
-therefore includes the model's identity (see ``kvoffload.transfer.slot_io
+therefore includes the model's identity (see ``kvoffload.tiers.identity
 .tier_fingerprint``). The identity is one of:
 
 - ``ckpt:<digest>`` for a local checkpoint: xxh3-128 over ``config.json``

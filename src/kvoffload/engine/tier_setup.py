@@ -8,8 +8,8 @@ from kvoffload.engine.model_runner import ModelRunner
 from kvoffload.hashing.block_hash import none_hash_seed_is_random, resolve_none_hash_seed
 from kvoffload.offload import CPUOffloadingManager
 from kvoffload.offload.base import OffloadingManager
+from kvoffload.tiers.stack import make_lower_tiers
 from kvoffload.transfer.host_pool import HostPool
-from kvoffload.transfer.tiers import make_lower_tiers
 from kvoffload.transfer.worker import OffloadingWorker
 
 

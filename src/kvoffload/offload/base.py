@@ -213,6 +213,42 @@ class OffloadingManager(ABC):
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Events since the last call (none when events are disabled)."""
 
+    # -- hints: what the engine knows about requests to come --------------------
+    #
+    # Hints are advice, never commands: a manager that does not use them
+    # accepts and ignores them (these defaults), and no hint changes what
+    # ``lookup``/``prepare_*``/``complete_*`` must do. The caller pays
+    # O(keys of the request) per call; a manager must not scan its stored
+    # blocks to act on one.
+
+    def hint_queued(self, request_id: str, keys: Sequence[OffloadKey]) -> None:
+        """Request ``request_id`` has arrived and waits; ``keys`` are its full blocks' keys.
+
+        ``keys`` are in chain order (head first), stored or not: the blocks the
+        request will look up when it is scheduled. A policy may protect and
+        prefer them while the request waits. Announcing a request that is
+        already queued replaces its keys (a preempted request comes back with
+        more blocks). Ended by ``hint_dequeued(request_id)``.
+        """
+        return None
+
+    def hint_dequeued(self, request_id: str) -> None:
+        """Request ``request_id`` left the queue: scheduled, aborted or finished.
+
+        Its queue hint no longer holds. A request that was never announced, or
+        was already dequeued, is ignored (callers may dequeue on every exit).
+        """
+        return None
+
+    def hint_continues(self, keys: Sequence[OffloadKey]) -> None:
+        """A finished request's conversation will continue: ``keys`` will likely be read again.
+
+        A soft priority (a client's session hint, not a queued request):
+        there is no matching "dequeue", and a policy may let it fade.
+        ``keys`` are in chain order.
+        """
+        return None
+
     def can_reset_cache(self) -> bool:
         """Whether ``reset_cache()`` would succeed now: no key pinned or being stored."""
         return False

@@ -69,6 +69,8 @@ class CPUOffloadingManager(OffloadingManager):
         self._storing: set[OffloadKey] = set()
         self._refs: dict[OffloadKey, int] = {}
         self._events: list[OffloadingEvent] = []
+        # Queue hints outlive a reset (the requests still wait): re-announced to the new policy.
+        self._queued: dict[str, list[OffloadKey]] = {}
 
     # -- introspection ------------------------------------------------------
 
@@ -202,6 +204,20 @@ class CPUOffloadingManager(OffloadingManager):
             slot_of = self._slot_of
             self._free.extend(slot_of.pop(k) for k in keys)
 
+    # -- hints (forwarded to the policy, which owns what they mean) --------------
+
+    def hint_queued(self, request_id: str, keys: Sequence[OffloadKey]) -> None:
+        keys = list(keys)
+        self._queued[request_id] = keys
+        self.policy.hint_queued(request_id, keys)
+
+    def hint_dequeued(self, request_id: str) -> None:
+        if self._queued.pop(request_id, None) is not None:
+            self.policy.hint_dequeued(request_id)
+
+    def hint_continues(self, keys: Sequence[OffloadKey]) -> None:
+        self.policy.hint_continues(list(keys))
+
     # -- reset --------------------------------------------------------------
 
     def can_reset_cache(self) -> bool:
@@ -212,6 +228,8 @@ class CPUOffloadingManager(OffloadingManager):
             return False
         stored = [k for k in self._slot_of if k not in self._storing]
         self.policy = make_policy(self.cache_policy, self._num_blocks)
+        for request_id, queued in self._queued.items():
+            self.policy.hint_queued(request_id, queued)
         self._free = list(range(self._num_blocks - 1, -1, -1))
         self._slot_of.clear()
         self._storing.clear()

@@ -443,6 +443,17 @@ class TieredOffloadingManager(OffloadingManager):
             # Write-throughs run only after a successful GPU -> CPU copy.
             tier.complete_store(k, success=record.ok)
 
+    # -- hints (only the CPU tier's policy uses them) -----------------------------
+
+    def hint_queued(self, request_id: str, keys: Sequence[OffloadKey]) -> None:
+        self.cpu.hint_queued(request_id, keys)
+
+    def hint_dequeued(self, request_id: str) -> None:
+        self.cpu.hint_dequeued(request_id)
+
+    def hint_continues(self, keys: Sequence[OffloadKey]) -> None:
+        self.cpu.hint_continues(keys)
+
     # -- reset --------------------------------------------------------------
 
     def can_reset_cache(self) -> bool:

@@ -37,8 +37,8 @@ from kvoffload.integrations.vllm.settings import (
 from kvoffload.integrations.vllm.worker import KVOffloadWorker, plane_layout
 from kvoffload.offload import CPUOffloadingManager
 from kvoffload.offload.tiered_manager import TieredOffloadingManager
+from kvoffload.tiers.stack import make_lower_tiers
 from kvoffload.transfer import HostPool, format_bytes
-from kvoffload.transfer.tiers import make_lower_tiers
 
 # Under "vllm." so that vLLM's logging configuration shows these lines.
 logger = logging.getLogger("vllm.kvoffload")

@@ -47,7 +47,7 @@ from kvoffload.transfer.worker import make_cpu_gpu_handler
 
 if TYPE_CHECKING:
     # The tiers module imports the Redis client; the CPU-only worker must not need it.
-    from kvoffload.transfer.tiers import LowerTiers
+    from kvoffload.tiers.stack import LowerTiers
 
 # Under "vllm." so that vLLM's logging configuration shows these lines.
 logger = logging.getLogger("vllm.kvoffload")

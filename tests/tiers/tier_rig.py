@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from kvoffload.offload import CPUOffloadingManager, GPULoadStoreSpec, OffloadKey, make_offload_key
+from kvoffload.tiers.stack import LowerTiers, make_lower_tiers
 from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.layout import KVGeometry, KVLayout
 from kvoffload.transfer.spec import TransferSpec
-from kvoffload.transfer.tiers import LowerTiers, make_lower_tiers
 from kvoffload.transfer.worker import OffloadingWorker
 
 GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_size=16, block_size=4, dtype=torch.float16)

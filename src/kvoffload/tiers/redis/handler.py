@@ -14,9 +14,9 @@ import torch
 
 from kvoffload.offload.base import CPULoadStoreSpec
 from kvoffload.offload.lower_tier import REMOTE_MEDIUM, RemoteLoadStoreSpec
+from kvoffload.tiers.redis.store import RedisBlockStore
+from kvoffload.tiers.slot_io import SlotIO, SlotTierHandler, check_pair
 from kvoffload.transfer.host_pool import HostPool
-from kvoffload.transfer.redis_store import RedisBlockStore
-from kvoffload.transfer.slot_io import SlotIO, SlotTierHandler, check_pair
 
 
 class RedisTransferHandler(SlotTierHandler):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvoffload.offload import OffloadingEvent, OffloadKey
-from kvoffload.offload.disk_manager import DiskOffloadingManager
 from kvoffload.offload.lower_tier import DiskLoadStoreSpec
+from kvoffload.tiers.disk.manager import DiskOffloadingManager
 from tests.offload.keyutil import key, keys
 
 
@@ -188,7 +188,7 @@ def test_reset_with_a_real_disk_store_survives_a_restart(tmp_path) -> None:
     """Wired to ``DiskBlockStore.clear``: a re-opened store restores nothing from before."""
     import numpy as np
 
-    from kvoffload.transfer.disk_store import DiskBlockStore
+    from kvoffload.tiers.disk.store import DiskBlockStore
 
     def open_store() -> DiskBlockStore:
         return DiskBlockStore(tmp_path, 4096, 4, "geom=test", hash_fn="sha256")

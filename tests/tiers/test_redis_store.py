@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import redis
 
-from kvoffload.transfer.redis_store import (
+from kvoffload.tiers.redis.store import (
     HEADER_BYTES,
     RedisBlockStore,
     RedisStoreError,
@@ -234,7 +234,7 @@ def test_server_killed_mid_run_and_restarted(
     data = blocks_of(8)
     assert all(s.put(keys_of(8), data))
     redis_server.kill()
-    with caplog.at_level(logging.WARNING, logger="kvoffload.transfer.redis_store"):
+    with caplog.at_level(logging.WARNING, logger="kvoffload.tiers.redis.store"):
         for _ in range(20):
             assert s.get(keys_of(8)) == [None] * 8
             assert s.put(keys_of(4, base=50), data[:4]) == [False] * 4
@@ -245,7 +245,7 @@ def test_server_killed_mid_run_and_restarted(
     assert not s.available and s.stats.outages == 1
     redis_server.start()  # same port, empty
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="kvoffload.transfer.redis_store"):
+    with caplog.at_level(logging.WARNING, logger="kvoffload.tiers.redis.store"):
         assert s.put(keys_of(8), data) == [True] * 8
     assert s.available
     assert "is back" in caplog.text
@@ -342,7 +342,7 @@ _CHILD = textwrap.dedent(
     """
     import sys
     import numpy as np
-    from kvoffload.transfer.redis_store import RedisBlockStore
+    from kvoffload.tiers.redis.store import RedisBlockStore
 
     url, action = sys.argv[1], sys.argv[2]
     s = RedisBlockStore(url, "shared", 4096, geometry_fingerprint="g", hash_fn="xxhash64")

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import redis
 
-from kvoffload.transfer.redis_cluster import parse_cluster_url, redact_cluster_url
-from kvoffload.transfer.redis_store import RedisBlockStore, normalize_url, redact_url
+from kvoffload.tiers.redis.cluster import parse_cluster_url, redact_cluster_url
+from kvoffload.tiers.redis.store import RedisBlockStore, normalize_url, redact_url
 from tests.conftest_redis import (
     RedisClusterFactory,
     RedisClusterNodes,
     redis_cluster,
     redis_cluster_factory,
 )
-from tests.transfer.tier_rig import Rig, tkey
+from tests.tiers.tier_rig import Rig, tkey
 
 __all__ = ["redis_cluster", "redis_cluster_factory"]
 

@@ -9,15 +9,16 @@ import torch
 
 from kvoffload.offload import CPULoadStoreSpec, make_offload_key
 from kvoffload.offload.lower_tier import DiskLoadStoreSpec, RemoteLoadStoreSpec, TieredLoadStoreSpec
-from kvoffload.transfer.disk_handler import DiskTransferHandler
-from kvoffload.transfer.disk_store import DiskBlockStore
+from kvoffload.tiers.disk.handler import DiskTransferHandler
+from kvoffload.tiers.disk.store import DiskBlockStore
+from kvoffload.tiers.identity import tier_fingerprint
+from kvoffload.tiers.redis.handler import RedisTransferHandler
+from kvoffload.tiers.redis.store import RedisBlockStore
+from kvoffload.tiers.slot_io import SlotIO
+from kvoffload.tiers.tiered_handler import TieredTransferHandler
 from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.layout import KVGeometry, KVLayout
-from kvoffload.transfer.redis_handler import RedisTransferHandler
-from kvoffload.transfer.redis_store import RedisBlockStore
-from kvoffload.transfer.slot_io import SlotIO, tier_fingerprint
 from kvoffload.transfer.spec import TransferSpec
-from kvoffload.transfer.tiered_handler import TieredTransferHandler
 from kvoffload.transfer.worker import make_cpu_gpu_handler
 from tests.conftest_redis import RedisServer
 

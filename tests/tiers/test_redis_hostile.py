@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import redis
 
-from kvoffload.transfer.redis_store import RedisBlockStore
+from kvoffload.tiers.redis.store import RedisBlockStore
 from tests.conftest_redis import RedisServer, RedisServerFactory
 
 BB = 4096

@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvoffload.transfer.layout import KVGeometry, KVLayout
-from kvoffload.transfer.redis_store import namespace_prefix
-from kvoffload.transfer.slot_io import (
+from kvoffload.tiers.identity import (
     FINGERPRINT_FIELDS,
     fingerprint_diff,
     parse_fingerprint,
     tier_fingerprint,
 )
+from kvoffload.tiers.redis.store import namespace_prefix
+from kvoffload.transfer.layout import KVGeometry, KVLayout
 from tests.conftest_redis import RedisServer
-from tests.transfer.tier_rig import Rig, tkey
+from tests.tiers.tier_rig import Rig, tkey
 
 G = KVGeometry(num_layers=2, num_kv_heads=2, head_size=16, block_size=4, dtype=torch.float16)
 BASE = {

@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import kvoffload.transfer.disk_index as disk_index
-import kvoffload.transfer.disk_store as disk_store
-from kvoffload.transfer.disk_index import RECORD_BYTES
-from kvoffload.transfer.disk_store import INDEX_NAME, DiskBlockStore
-from tests.transfer.tier_rig import Rig, tkey
+import kvoffload.tiers.disk.index as disk_index
+import kvoffload.tiers.disk.store as disk_store
+from kvoffload.tiers.disk.index import RECORD_BYTES
+from kvoffload.tiers.disk.store import INDEX_NAME, DiskBlockStore
+from tests.tiers.tier_rig import Rig, tkey
 
 BB = 8192
 LOGGER = "kvoffload.transfer"

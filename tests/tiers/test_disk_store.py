@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload.transfer.block_buffers import aligned_empty
-from kvoffload.transfer.disk_store import (
+from kvoffload.tiers.disk.store import (
     INDEX_NAME,
     MANIFEST_NAME,
     DiskBlockStore,
     DiskStoreError,
     DiskStoreMismatchError,
 )
+from kvoffload.transfer.block_buffers import aligned_empty
 
 GEOM = "layers=2,kv_heads=2,head=8,block=4,dtype=float16,layout=per_layer"
 

@@ -30,8 +30,8 @@ Invariants:
 I/O runs with O_DIRECT when the filesystem accepts it (probed at open) and
 buffered otherwise; runs of consecutive slots are coalesced into one
 ``preadv``/``pwritev`` and spread over a thread pool (both release the GIL).
-The slab files are ``disk_slabs.SlabFiles``; the index log's format is
-``disk_index``; this module keeps the manifest, the in-memory index and the
+The slab files are ``slabs.SlabFiles``; the index log's format is
+``index``; this module keeps the manifest, the in-memory index and the
 write/read protocol between them.
 """
 
@@ -51,8 +51,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from kvoffload.transfer.block_buffers import BlockBuffers, as_block_views
-from kvoffload.transfer.disk_index import (
+from kvoffload.tiers.disk.index import (
     MAX_KEY_BYTES,
     DiskEntry,
     IndexLog,
@@ -61,14 +60,15 @@ from kvoffload.transfer.disk_index import (
     is_no_space,
     put_record,
 )
-from kvoffload.transfer.disk_slabs import (
+from kvoffload.tiers.disk.slabs import (
     ALIGN,
     DiskStoreError,
     DiskStoreMismatchError,
     SlabFiles,
     round_up,
 )
-from kvoffload.transfer.slot_io import fingerprint_diff
+from kvoffload.tiers.identity import fingerprint_diff
+from kvoffload.transfer.block_buffers import BlockBuffers, as_block_views
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class DiskBlockStore:
 
     ``geometry_fingerprint`` is the tier's identity: everything that decides
     the stored bytes (the model, KV geometry, dtype, quantisation, layout,
-    hash function and seed, parallel rank; ``slot_io.tier_fingerprint``
+    hash function and seed, parallel rank; ``identity.tier_fingerprint``
     builds it). It and ``hash_fn`` are recorded in the manifest; re-opening
     with other values, another ``block_bytes`` or another capacity raises
     ``DiskStoreMismatchError``, whose one-line message names each differing

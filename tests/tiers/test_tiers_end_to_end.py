@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvoffload.transfer.disk_store import DiskStoreError, DiskStoreMismatchError
+from kvoffload.tiers.disk.store import DiskStoreError, DiskStoreMismatchError
 from kvoffload.transfer.layout import KVGeometry
 from tests.conftest_redis import RedisServer, free_port
-from tests.transfer.tier_rig import GEOM, Rig, tkey
+from tests.tiers.tier_rig import GEOM, Rig, tkey
 
 
 def test_write_back_cascade_then_loads_from_every_tier(
@@ -232,7 +232,7 @@ _CHILD = textwrap.dedent(
     """
     import sys
     import numpy as np
-    from tests.transfer.tier_rig import Rig
+    from tests.tiers.tier_rig import Rig
     rig = Rig(cpu_blocks=1, redis_url=sys.argv[1])
     rig.rng = np.random.default_rng(7)
     for i in range(5):

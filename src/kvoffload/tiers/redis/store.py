@@ -1,7 +1,7 @@
 """The remote tier's bytes: KV blocks as binary values in a shared Redis/Valkey server.
 
 Key: ``kvo:<namespace>:<digest>:{<hex of the block's key>}``, where the
-digest covers the tier fingerprint (``slot_io.tier_fingerprint``: the model,
+digest covers the tier fingerprint (``identity.tier_fingerprint``: the model,
 KV geometry, dtype, quantisation, layout, hash function and seed, parallel
 rank and size), the block size and this format's version: engines whose
 blocks differ never see each other's keys (another model gets a fresh
@@ -18,7 +18,7 @@ caller's buffer as a hit.
 Servers: ``redis://``, ``rediss://``, ``unix://`` (and ``valkey(s)://``)
 name one server; ``redis+cluster://host:port[,host:port...]`` (and
 ``rediss+cluster://``) a Redis Cluster, reached per master (see
-``redis_cluster``).
+``cluster``).
 
 Faults: every socket operation has a bounded timeout and at most one
 immediate retry (a pooled connection gone stale across a server restart). A
@@ -53,8 +53,7 @@ import numpy as np
 import redis
 import xxhash
 
-from kvoffload.transfer.block_buffers import BlockBuffers, as_block_views
-from kvoffload.transfer.redis_cluster import (
+from kvoffload.tiers.redis.cluster import (
     CLUSTER_SCHEMES,
     DOWN,
     ClusterLinks,
@@ -64,6 +63,7 @@ from kvoffload.transfer.redis_cluster import (
     parse_cluster_url,
     redact_cluster_url,
 )
+from kvoffload.transfer.block_buffers import BlockBuffers, as_block_views
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ def namespace_prefix(
 ) -> bytes:
     """The key prefix: namespace plus a digest of everything that makes blocks compatible.
 
-    ``geometry_fingerprint`` is the tier fingerprint (``slot_io.tier_fingerprint``),
+    ``geometry_fingerprint`` is the tier fingerprint (``identity.tier_fingerprint``),
     which names the model: two models never share a prefix.
     """
     if not namespace:

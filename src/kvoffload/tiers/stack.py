@@ -8,7 +8,7 @@ by an incompatible engine, a malformed Redis URL, rejected credentials) are
 raised here, before the engine starts serving; an unreachable Redis server
 is only a warning (the tier starts in an outage and recovers on its own).
 
-Tier identity: both lower tiers are keyed by ``slot_io.tier_fingerprint``,
+Tier identity: both lower tiers are keyed by ``identity.tier_fingerprint``,
 which covers the model (``model_id``, computed by the engine layer:
 ``kvoffload.engine.model_identity``), the KV geometry, dtype, quantisation
 and layout, the block hash function and its seed, and the tensor-parallel
@@ -28,19 +28,19 @@ import torch
 
 from kvoffload.offload.base import OffloadKey
 from kvoffload.offload.cpu_manager import CPUOffloadingManager
-from kvoffload.offload.disk_manager import DiskOffloadingManager
 from kvoffload.offload.lower_tier import DISK_MEDIUM, REMOTE_MEDIUM, TIERED_MEDIUM, LowerTierManager
-from kvoffload.offload.remote_manager import RemoteOffloadingManager
 from kvoffload.offload.tiered_manager import TieredOffloadingManager
-from kvoffload.transfer.disk_handler import DiskTransferHandler
-from kvoffload.transfer.disk_store import DiskBlockStore
+from kvoffload.tiers.disk.handler import DiskTransferHandler
+from kvoffload.tiers.disk.manager import DiskOffloadingManager
+from kvoffload.tiers.disk.store import DiskBlockStore
+from kvoffload.tiers.identity import tier_fingerprint
+from kvoffload.tiers.redis.handler import RedisTransferHandler
+from kvoffload.tiers.redis.manager import RemoteOffloadingManager
+from kvoffload.tiers.redis.store import RedisBlockStore
+from kvoffload.tiers.tiered_handler import TieredTransferHandler
 from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.layout import KVLayout
-from kvoffload.transfer.redis_handler import RedisTransferHandler
-from kvoffload.transfer.redis_store import RedisBlockStore
 from kvoffload.transfer.sizing import parse_bytes
-from kvoffload.transfer.slot_io import tier_fingerprint
-from kvoffload.transfer.tiered_handler import TieredTransferHandler
 from kvoffload.transfer.worker import OffloadingWorker, make_cpu_gpu_handler
 
 CPU = "CPU"

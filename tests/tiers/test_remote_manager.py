@@ -6,7 +6,7 @@ import pytest
 
 from kvoffload.offload import OffloadingEvent
 from kvoffload.offload.lower_tier import RemoteLoadStoreSpec
-from kvoffload.offload.remote_manager import RemoteOffloadingManager
+from kvoffload.tiers.redis.manager import RemoteOffloadingManager
 from tests.offload.keyutil import keys
 from tests.offload.tier_world import World
 

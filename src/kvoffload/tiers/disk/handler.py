@@ -16,9 +16,9 @@ import torch
 
 from kvoffload.offload.base import CPULoadStoreSpec
 from kvoffload.offload.lower_tier import DISK_MEDIUM, DiskLoadStoreSpec
-from kvoffload.transfer.disk_store import DiskBlockStore
+from kvoffload.tiers.disk.store import DiskBlockStore
+from kvoffload.tiers.slot_io import SlotIO, SlotTierHandler, check_pair
 from kvoffload.transfer.host_pool import HostPool
-from kvoffload.transfer.slot_io import SlotIO, SlotTierHandler, check_pair
 
 logger = logging.getLogger(__name__)
 

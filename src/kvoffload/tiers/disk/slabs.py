@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from kvoffload.tiers.disk.index import is_no_space
 from kvoffload.transfer.block_buffers import address_of, aligned_empty
-from kvoffload.transfer.disk_index import is_no_space
 
 logger = logging.getLogger(__name__)
 

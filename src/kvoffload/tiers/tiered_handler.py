@@ -35,10 +35,10 @@ from kvoffload.offload.lower_tier import (
     TierCopy,
     TieredLoadStoreSpec,
 )
-from kvoffload.transfer.disk_handler import DiskTransferHandler
+from kvoffload.tiers.disk.handler import DiskTransferHandler
+from kvoffload.tiers.redis.handler import RedisTransferHandler
+from kvoffload.tiers.slot_io import BlocksMissing
 from kvoffload.transfer.handler import ThreadPoolTransferHandler, TransferHandler, Work
-from kvoffload.transfer.redis_handler import RedisTransferHandler
-from kvoffload.transfer.slot_io import BlocksMissing
 from kvoffload.transfer.spec import TransferResult, TransferSpec
 
 logger = logging.getLogger(__name__)

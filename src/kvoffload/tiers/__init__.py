@@ -1,0 +1,34 @@
+"""Everything below CPU memory: one folder per tier, and what the tiers share.
+
+- ``disk/``: the disk tier (store, index, slabs, manager, handler);
+- ``redis/``: the Redis / Valkey tier (store, cluster links, manager, handler);
+- ``identity``: the tier fingerprint (what decides a stored block's bytes);
+- ``slot_io``: CPU slots as the byte blocks the stores keep;
+- ``tiered_handler``: GPU <-> CPU <-> disk / Redis jobs on the worker side;
+- ``stack``: building the tiers behind a CPU tier (``make_tiers``).
+
+Names are loaded lazily: ``import kvoffload.tiers`` costs nothing until a
+name is used (the stack pulls in torch).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvoffload.tiers.stack import LowerTiers, make_lower_tiers
+
+_LAZY = {
+    "LowerTiers": "kvoffload.tiers.stack",
+    "make_lower_tiers": "kvoffload.tiers.stack",
+}
+
+__all__ = ["LowerTiers", "make_lower_tiers"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,33 @@
+"""The Redis / Valkey tier (standalone or Cluster): store, cluster links, manager, handler.
+
+``store`` keeps one checksummed value per block under a namespace derived
+from the tier fingerprint; ``cluster`` holds the connections (one server or
+a cluster's masters) and the breaker; ``manager`` the scheduler-side view of
+what the server holds; ``handler`` moves bytes between CPU slots and the store.
+"""
+
+from kvoffload.tiers.redis.cluster import is_cluster_url, parse_cluster_url, redact_cluster_url
+from kvoffload.tiers.redis.handler import RedisTransferHandler
+from kvoffload.tiers.redis.manager import RemoteOffloadingManager
+from kvoffload.tiers.redis.store import (
+    RedisBlockStore,
+    RedisStoreError,
+    RedisStoreStats,
+    namespace_prefix,
+    normalize_url,
+    redact_url,
+)
+
+__all__ = [
+    "RedisBlockStore",
+    "RedisStoreError",
+    "RedisStoreStats",
+    "RedisTransferHandler",
+    "RemoteOffloadingManager",
+    "is_cluster_url",
+    "namespace_prefix",
+    "normalize_url",
+    "parse_cluster_url",
+    "redact_cluster_url",
+    "redact_url",
+]
