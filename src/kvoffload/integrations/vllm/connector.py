@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 from vllm.v1.outputs import KVConnectorOutput
 
-from kvoffload.integrations.vllm.manager import KVOffloadManager
+from kvoffload.integrations.vllm.manager import KVOffloadManager, request_offload_keys
 from kvoffload.integrations.vllm.settings import KVOffloadConfigError
 from kvoffload.integrations.vllm.spec import KVOffloadSpec
 from kvoffload.integrations.vllm.worker import KVOffloadWorker
@@ -139,3 +139,22 @@ class KVOffloadConnector(OffloadingConnector):
         if isinstance(meta, KVOffloadWorkerMetadata) and manager is not None:
             manager.note_failed(meta.failed_ops)
         super().update_connector_output(connector_output)
+
+    # -- queue hints (issue 20): what the manager cannot see by itself ---------------
+    # KVOffloadManager's lock is vLLM's default no-op, so these calls need not take it.
+
+    def on_new_request(self, request: Any) -> None:
+        super().on_new_request(request)
+        manager = self.kvoffload_manager
+        if manager is not None and self.connector_scheduler is not None:
+            groups = self.connector_scheduler.config.kv_group_configs
+            manager.request_queued(
+                request.request_id, request_offload_keys(request.block_hashes, groups)
+            )
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        manager = self.kvoffload_manager
+        if manager is not None:
+            # First schedulings reach the manager in on_schedule_end; resumptions do not.
+            manager.requests_scheduled(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
+        return super().build_connector_meta(scheduler_output)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -46,6 +46,8 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
+    make_offload_key,
 )
 
 from kvoffload.offload import CPULoadStoreSpec, CPUOffloadingManager
@@ -89,6 +91,38 @@ class _Op:
     rejected: bool = False
 
 
+#: ``kv_transfer_params`` key of the session hint: ``{"kvoffload_continues": true}`` on a
+#: request says its conversation will continue, so its blocks are announced with
+#: ``hint_continues`` when it finishes (a soft priority in the CPU tier's policy).
+CONTINUES_PARAM = "kvoffload_continues"
+
+
+def request_offload_keys(
+    block_hashes: Sequence[bytes], group_configs: Iterable[object]
+) -> list[OffloadKey]:
+    """The offload keys of a request's full chunks, group after group, each group head first.
+
+    ``group_configs`` are vLLM's ``GroupOffloadConfig`` (``group_idx``,
+    ``hashes_per_chunk``): a chunk's key is the hash of its last block, as
+    vLLM's offloading scheduler keys it. Costs O(len(block_hashes)) per group.
+    """
+    keys: list[OffloadKey] = []
+    for group in group_configs:
+        step = int(group.hashes_per_chunk)  # type: ignore[attr-defined]
+        idx = int(group.group_idx)  # type: ignore[attr-defined]
+        keys.extend(make_offload_key(bytes(h), idx) for h in block_hashes[step - 1 :: step])
+    return keys
+
+
+@dataclass
+class _RequestHints:
+    """What the queue and session hints know of one live request."""
+
+    continues: bool = False
+    #: Its full chunks' keys (announced at arrival, plus what it stored when it continues).
+    keys: list[OffloadKey] = field(default_factory=list)
+
+
 @dataclass
 class _RequestLookups:
     """Lower-tier keys this request was told are HITs: each needs a CPU slot to load."""
@@ -125,6 +159,9 @@ class KVOffloadManager(OffloadingManager):
         self._failed: set[int] = set()
         self.failed_loads = 0
         self.failed_stores = 0
+        # Queue and session hints (see the "hints" section).
+        self._live: dict[str, _RequestHints] = {}
+        self._queued: set[str] = set()
 
     # -- lookups ---------------------------------------------------------------
 
@@ -242,6 +279,7 @@ class KVOffloadManager(OffloadingManager):
         if out is None:
             return None
         stored = list(out.keys_to_store)
+        self._hints_note_stored(req_context.req_id, stored)
         if stored:
             op = _Op(next(self._op_ids), stored)
             self._stores.setdefault(frozenset(stored), deque()).append(op)
@@ -268,12 +306,80 @@ class KVOffloadManager(OffloadingManager):
     # -- lifecycle ---------------------------------------------------------------
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._hints_new_request(req_context)
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         state = req_context.get_state(_RequestLookups)
         if state is not None:
             state.promotions.clear()
+        self._hints_request_finished(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._hints_schedule_end(context)
+
+    # -- hints (issue 20): the waiting queue and session continuations -------------
+    #
+    # vLLM tells the manager when a request arrives (on_new_request), is first
+    # scheduled or preempted (on_schedule_end) and finishes or is aborted
+    # (on_request_finished), but not its block hashes at arrival: those come
+    # from KVOffloadConnector.on_new_request through ``request_queued``, and
+    # a preempted request's resumption through ``requests_scheduled``. Behind
+    # vLLM's stock OffloadingConnector no queue hint is sent (there are no keys
+    # to announce); the session hint still works from the keys the request stores.
+
+    def _hints_new_request(self, req_context: ReqContext) -> None:
+        params = req_context.kv_transfer_params or {}
+        continues = params.get(CONTINUES_PARAM) is True
+        self._live[req_context.req_id] = _RequestHints(continues=continues)
+
+    def request_queued(self, req_id: str, keys: Sequence[OffloadKey]) -> None:
+        """Request ``req_id`` waits in vLLM's queue; ``keys`` are its full chunks' keys.
+
+        Announced to the tiers with ``hint_queued`` (O(len(keys))); ended by the
+        request's first scheduling, its resumption or its finish. A request the
+        manager has not seen through ``on_new_request`` is ignored.
+        """
+        hints = self._live.get(req_id)
+        if hints is None:
+            return
+        hints.keys = list(keys)
+        self._queued.add(req_id)
+        self.inner.hint_queued(req_id, hints.keys)
+
+    def requests_scheduled(self, req_ids: Iterable[str]) -> None:
+        """These requests left the waiting queue (scheduled, new or resumed)."""
+        queued = self._queued
+        for req_id in req_ids:
+            if req_id in queued:
+                queued.discard(req_id)
+                self.inner.hint_dequeued(req_id)
+
+    def _hints_schedule_end(self, context: ScheduleEndContext) -> None:
+        self.requests_scheduled(context.new_req_ids)
+        # A preempted request goes back to the waiting queue: announce it again.
+        for req_id in context.preempted_req_ids:
+            hints = self._live.get(req_id)
+            if hints is not None and hints.keys and req_id not in self._queued:
+                self._queued.add(req_id)
+                self.inner.hint_queued(req_id, hints.keys)
+
+    def _hints_note_stored(self, req_id: str, stored: list[OffloadKey]) -> None:
+        hints = self._live.get(req_id)
+        if hints is not None and hints.continues and stored:
+            hints.keys.extend(stored)
+
+    def _hints_request_finished(self, req_id: str) -> None:
+        if req_id in self._queued:
+            self._queued.discard(req_id)
+            self.inner.hint_dequeued(req_id)
+        hints = self._live.pop(req_id, None)
+        if hints is not None and hints.continues and hints.keys:
+            self.inner.hint_continues(list(dict.fromkeys(hints.keys)))
+
+    def num_queued_hints(self) -> int:
+        """Requests announced as waiting and not yet dequeued."""
+        return len(self._queued)
 
     def take_events(self) -> Iterator[OffloadingEvent]:
         for ev in self.inner.take_events():
