@@ -24,7 +24,9 @@ def k(c: str) -> bytes:
 
 
 def ids_trace(*requests: list[int]) -> list[list[bytes]]:
-    return trace_keys([MooncakeRequest(float(i), 0, 0, r) for i, r in enumerate(requests)])
+    return trace_keys(
+        [MooncakeRequest(float(i), 512 * len(r), 0, r) for i, r in enumerate(requests)]
+    )
 
 
 def test_belady_on_a_hand_made_trace() -> None:

@@ -6,11 +6,13 @@ meaning equal prefix blocks (the ids are already chained). Replaying it
 through ``BlockPool`` and an ``OffloadingManager`` measures prefix hit rates
 at a scale the reference model cannot serve on a CPU.
 
-Requests are replayed in timestamp order; each holds its blocks for
-``hold_requests`` later arrivals (a crude stand-in for its decode time) and
-is then freed, tail first. Per request, as vLLM's offloading connector drives
-its tiers: the GPU prefix cache is looked up; the CPU tier is looked up for
-the blocks after the GPU hit and the hit is loaded; every block of the
+Only each request's full blocks are replayed (``input_length // block_size``
+of its ids; the last id of a Mooncake request is usually a partial block,
+which an engine never hashes). Requests are replayed in timestamp order;
+each holds its blocks for ``hold_requests`` later arrivals (a crude stand-in
+for its decode time) and is then freed, tail first. Per request, as vLLM's
+offloading connector drives its tiers: the GPU prefix cache is looked up; the
+CPU tier is looked up for the blocks after the GPU hit and the hit is loaded; every block of the
 request is touched in the CPU tier (a full GPU hit included); then the
 request's blocks, GPU hits too, are offered to the CPU tier
 (``prepare_store``: the tier keeps those it does not hold yet), eagerly, or,
@@ -107,17 +109,27 @@ class ReplayResult:
         }
 
 
+def full_blocks(req: MooncakeRequest, block_size: int = 512) -> list[int]:
+    """The ids of ``req``'s full blocks: the first ``input_length // block_size``.
+
+    Mooncake traces give ``ceil(input_length / block_size)`` ids; the last is
+    usually a partial block, which an engine never hashes, stores or looks up.
+    """
+    return req.hash_ids[: req.input_length // block_size]
+
+
 def _hash(block_id: int) -> BlockHash:
     return BlockHash(block_id.to_bytes(8, "big", signed=True))
 
 
-def longest_request(requests: Sequence[MooncakeRequest]) -> int:
-    """Blocks of the longest request (0 for an empty trace)."""
-    return max((len(r.hash_ids) for r in requests), default=0)
+def longest_request(requests: Sequence[MooncakeRequest], block_size: int = 512) -> int:
+    """Full blocks of the longest request (0 for an empty trace)."""
+    return max((len(full_blocks(r, block_size)) for r in requests), default=0)
 
 
-def unique_blocks(requests: Sequence[MooncakeRequest]) -> int:
-    return len({h for r in requests for h in r.hash_ids})
+def unique_blocks(requests: Sequence[MooncakeRequest], block_size: int = 512) -> int:
+    """Distinct full blocks over the trace."""
+    return len({h for r in requests for h in full_blocks(r, block_size)})
 
 
 def check_block_size(requests: Sequence[MooncakeRequest], block_size: int) -> None:
@@ -149,9 +161,11 @@ def replay_mooncake(
     cache_policy: str | None = None,
     hold_requests: int = 8,
     store_mode: str = "eager",
+    block_size: int = 512,
 ) -> ReplayResult:
     """Hit rates of ``requests`` with a GPU tier of ``num_gpu_blocks`` and a CPU tier.
 
+    Only each request's full blocks are replayed (``full_blocks``).
     ``num_cpu_blocks`` None or ``store_mode == "off"``: GPU tier only.
     ``store_mode``: ``eager`` offers each request's blocks after it is
     computed, ``lazy`` offers cached GPU blocks as they are about to be evicted.
@@ -160,7 +174,7 @@ def replay_mooncake(
         raise ValueError(f"store mode must be off, eager or lazy, got {store_mode!r}")
     if hold_requests < 1:
         raise ValueError(f"hold_requests must be >= 1, got {hold_requests}")
-    longest = longest_request(requests)
+    longest = longest_request(requests, block_size)
     if longest > num_gpu_blocks - 1:
         raise ValueError(
             f"the trace's longest request has {longest:,} blocks but a GPU tier of "
@@ -190,7 +204,7 @@ def replay_mooncake(
             res.block_ops += len(out.keys_to_store)
 
     for req in sorted(requests, key=lambda r: r.timestamp):
-        hashes = [_hash(h) for h in req.hash_ids]
+        hashes = [_hash(h) for h in full_blocks(req, block_size)]
         n = len(hashes)
         while held and (len(held) >= hold_requests or pool.get_num_free_blocks() < n):
             pool.free_request_blocks(held.popleft())

@@ -10,6 +10,14 @@ policies run through ``CPUOffloadingManager``; vLLM's own ``lru`` and ``arc``
 vLLM's ``CPUOffloadingManager`` in the same process, driven the same way
 (``kvoffload.bench.offload_vllm``).
 
+Only full blocks are replayed (``input_length // 512`` ids of a Mooncake
+request; ``kvoffload.bench.traces.trace_keys``). With a lookahead of D
+seconds (``--lookahead-s``), before request i is served every request that
+has arrived by ``t_i + D`` and was not announced yet is announced with
+``hint_queued`` (the queue a server at that load holds), and each request is
+``hint_dequeued`` once it is scheduled: after its lookup and load, before its
+store. vLLM's rows get the same trace and no hints (vLLM's manager has none).
+
 Figures per policy and capacity: block hit rate (hit blocks over all blocks
 of all requests) and block-ops/s (keys handed to manager calls per second;
 the same count for every manager). Beside them: Belady's MIN (offline optimum
@@ -28,9 +36,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from kvoffload.bench import offload_vllm
-from kvoffload.bench.traces import KINDS, generate, load_trace, trace_keys
+from kvoffload.bench.traces import (
+    KINDS,
+    LOOP_CAPACITY,
+    generate,
+    load_trace,
+    trace_keys,
+    trace_times,
+)
 from kvoffload.cli import argtypes
-from kvoffload.offload import CPUOffloadingManager, OffloadKey, policy_names
+from kvoffload.offload import CPUOffloadingManager, OffloadingManager, OffloadKey, policy_names
 from kvoffload.offload.cpu_manager import DEFAULT_CACHE_POLICY
 
 Trace = Sequence[Sequence[OffloadKey]]
@@ -56,16 +71,38 @@ class ReplayResult:
         return self.block_ops / self.seconds if self.seconds > 0 else 0.0
 
 
-def replay(trace: Trace, policy: str, capacity: int) -> ReplayResult:
-    """Drive a fresh kvoffload manager through ``trace``; see the module docstring."""
+def replay(
+    trace: Trace,
+    policy: str,
+    capacity: int,
+    times: Sequence[float] | None = None,
+    lookahead_ms: float = 0.0,
+) -> ReplayResult:
+    """Drive a fresh kvoffload manager through ``trace``; see the module docstring.
+
+    ``times`` (ms, non-decreasing) with ``lookahead_ms > 0`` sends queue hints;
+    hint keys are not counted as block ops (their time is).
+    """
     m = CPUOffloadingManager(capacity, cache_policy=policy)
     lookup, prepare_load, complete_load = m.lookup, m.prepare_load, m.complete_load
     prepare_store, complete_store, touch = m.prepare_store, m.complete_store, m.touch
+    hinted = times is not None and lookahead_ms > 0
+    queued, dequeued = _hint_calls(m)
+    announced = 0
+    n_req = len(trace)
     hits = ops = blocks = refused = 0
     start = time.perf_counter()
-    for keys in trace:
+    for i, keys in enumerate(trace):
+        if hinted:
+            horizon = times[i] + lookahead_ms  # type: ignore[index]
+            while announced < n_req and times[announced] <= horizon:  # type: ignore[index]
+                if trace[announced]:
+                    queued(str(announced), trace[announced])
+                announced += 1
         n = len(keys)
         blocks += n
+        if not n:
+            continue
         hit = lookup(keys)
         ops += min(hit + 1, n)
         if hit:
@@ -74,6 +111,8 @@ def replay(trace: Trace, policy: str, capacity: int) -> ReplayResult:
             complete_load(loaded)
             hits += hit
             ops += 2 * hit
+        if hinted:
+            dequeued(str(i))
         rest = keys[hit:]
         if not rest:
             continue
@@ -91,6 +130,16 @@ def replay(trace: Trace, policy: str, capacity: int) -> ReplayResult:
             ops += len(stored)
     seconds = time.perf_counter() - start
     return ReplayResult(policy, capacity, blocks, hits, ops, seconds, refused)
+
+
+def _hint_calls(
+    m: CPUOffloadingManager,
+) -> tuple[Callable[[str, Sequence[OffloadKey]], None], Callable[[str], None]]:
+    """The manager's queue-hint methods (its policy's where the manager does not forward them)."""
+    base = getattr(OffloadingManager, "hint_queued", None)
+    if base is not None and getattr(type(m), "hint_queued", base) is not base:
+        return m.hint_queued, m.hint_dequeued  # type: ignore[attr-defined]
+    return m.policy.hint_queued, m.policy.hint_dequeued
 
 
 def ceiling_hit_rate(trace: Trace) -> float:
@@ -167,8 +216,18 @@ def bench(
     policies: Sequence[str],
     with_vllm: bool = True,
     progress: Callable[[str], None] | None = None,
+    times: Sequence[float] | None = None,
+    lookahead_s: float = 0.0,
 ) -> dict[str, object]:
-    """Every policy at every capacity, Belady and the ceiling: one JSON-able dict."""
+    """Every policy at every capacity, Belady and the ceiling: one JSON-able dict.
+
+    ``times`` (ms) and ``lookahead_s > 0``: kvoffload's managers get queue
+    hints (see the module docstring); vLLM's rows never do.
+    """
+    if lookahead_s < 0:
+        raise ValueError(f"lookahead must be >= 0 s, got {lookahead_s}")
+    if lookahead_s > 0 and (times is None or len(times) != len(trace)):
+        raise ValueError("a lookahead needs one arrival time per request")
     known = policy_names()
     for p in policies:
         if p not in known:
@@ -189,7 +248,7 @@ def bench(
         for p in policies:
             if progress:
                 progress(f"{p} @ {label}")
-            results.append(replay(trace, p, cap))
+            results.append(replay(trace, p, cap, times, 1000.0 * lookahead_s))
         for name in VLLM_ROWS if vllm_error is None else ():
             if progress:
                 progress(f"{name} @ {label}")
@@ -224,6 +283,8 @@ def bench(
     return {
         "requests": len(trace),
         "blocks": blocks,
+        "full_blocks_only": True,
+        "lookahead_s": lookahead_s,
         "unique_blocks": unique,
         "ceiling_hit_rate": ceiling_hit_rate(trace),
         "default_policy": DEFAULT_CACHE_POLICY,
@@ -244,7 +305,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--generate",
         choices=KINDS,
         default=None,
-        help="replay a seeded synthetic trace of this kind instead (default: mixed)",
+        help="replay a seeded synthetic trace of this kind instead (default: mixed; "
+        f"loop: 8 prompts in turn, whose working set is twice the tier at {LOOP_CAPACITY})",
     )
     parser.add_argument(
         "--requests",
@@ -258,9 +320,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--capacity",
         nargs="+",
-        default=["1%", "5%", "10%", "25%"],
+        default=None,
         help="CPU tier sizes: block counts, or %% of the trace's unique blocks "
-        "(default: 1%% 5%% 10%% 25%%)",
+        f"(default: 1%% 5%% 10%% 25%%; for --generate loop {LOOP_CAPACITY}%% too)",
+    )
+    parser.add_argument(
+        "--lookahead-s",
+        type=argtypes.finite_float(0.0, 86_400.0, allow_min=True),
+        default=0.0,
+        help="announce to kvoffload's policies, before each request, every request that "
+        "arrives within this many seconds of it (a server's waiting queue: hint_queued, then "
+        "hint_dequeued once scheduled); 0 (default): no hints. vLLM's rows never get hints",
     )
     parser.add_argument(
         "--policies", default="all", help=f"comma-separated, or all ({', '.join(policy_names())})"
@@ -272,13 +342,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _trace_from_args(args: argparse.Namespace) -> tuple[str, Trace]:
+def _trace_from_args(args: argparse.Namespace) -> tuple[str, Trace, list[float]]:
+    """(name, full-block keys per request, arrival times in ms)."""
     if args.trace is not None:
-        return str(args.trace), trace_keys(load_trace(args.trace))
-    kind = args.generate or "mixed"
-    return f"generated {kind} (seed {args.seed})", trace_keys(
-        generate(kind, args.requests, args.seed)
-    )
+        reqs = load_trace(args.trace)
+        name = str(args.trace)
+    else:
+        kind = args.generate or "mixed"
+        reqs = generate(kind, args.requests, args.seed)
+        name = f"generated {kind} (seed {args.seed})"
+    return name, trace_keys(reqs), trace_times(reqs)
+
+
+def _capacities(args: argparse.Namespace) -> list[str]:
+    if args.capacity is not None:
+        return list(args.capacity)
+    caps = ["1%", "5%", "10%", "25%"]
+    return [*caps, LOOP_CAPACITY] if args.generate == "loop" else caps
 
 
 def run(args: argparse.Namespace) -> int:
@@ -291,9 +371,11 @@ def run(args: argparse.Namespace) -> int:
     )
     if not policies:
         raise ValueError("--policies is empty")
-    name, trace = _trace_from_args(args)
+    name, trace, times = _trace_from_args(args)
+    caps = _capacities(args)
+    look = args.lookahead_s
     if args.json:
-        report = bench(trace, args.capacity, policies, not args.no_vllm)
+        report = bench(trace, caps, policies, not args.no_vllm, None, times, look)
         report["trace"] = name
         if args.out:
             offload_report.write(report, args.out)
@@ -304,14 +386,14 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     console = Console()
-    steps = len(args.capacity) * (len(policies) + 1 + (0 if args.no_vllm else len(VLLM_ROWS)))
+    steps = len(caps) * (len(policies) + 1 + (0 if args.no_vllm else len(VLLM_ROWS)))
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("replaying", total=steps)
 
         def progress(what: str) -> None:
             bar.update(task, advance=1, description=what)
 
-        report = bench(trace, args.capacity, policies, not args.no_vllm, progress)
+        report = bench(trace, caps, policies, not args.no_vllm, progress, times, look)
     report["trace"] = name
     offload_report.print_report(report, console)
     if args.out:

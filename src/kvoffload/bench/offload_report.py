@@ -74,6 +74,24 @@ def closing_note(report: dict[str, Any]) -> str:
     return text
 
 
+def replay_note(report: dict[str, Any]) -> str:
+    """What was replayed: full blocks only, and the queue hints (if any)."""
+    look = report.get("lookahead_s") or 0.0
+    text = (
+        "Full blocks only: input_length // 512 ids of each request (a trace's partial last "
+        "block is never hashed by an engine). "
+    )
+    if look > 0:
+        text += (
+            f"Queue hints: before each request, every request arriving within {look:g} s is "
+            "announced to kvoffload's policies (hint_queued), and dequeued once scheduled; "
+            "vLLM's rows get no hints."
+        )
+    else:
+        text += "No queue hints (--lookahead-s 0)."
+    return text
+
+
 def print_report(report: dict[str, Any], console: Console) -> None:
     lines = table_lines(report)
     table = Table(
@@ -87,6 +105,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
     for cells in lines[1:]:
         table.add_row(*cells)
     console.print(table)
+    console.print(replay_note(report))
     console.print(
         "Mops/s: million block operations per second through the manager (mean over sizes, "
         "noisy on a shared machine); x vLLM lru: ratio to vLLM lru's in the same run."
@@ -102,6 +121,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['requests']:,} requests, {report['blocks']:,} blocks, "
         f"{report['unique_blocks']:,} unique. Block hit rate (%) by CPU tier size "
         "(% of unique blocks, and blocks).",
+        "",
+        replay_note(report),
         "",
         "| " + " | ".join(lines[0]) + " |",
         "|" + "---|" * len(lines[0]),

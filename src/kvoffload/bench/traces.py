@@ -11,7 +11,14 @@ popularity over a few system prompts), ``agent`` (loops that re-send a long
 shared tool prompt plus a growing scratchpad), ``rag`` (a system prompt, one
 of a Zipf-popular corpus of documents, a one-off question), ``oneoff`` (long
 unique prompts behind a short shared head: a scan) and ``mixed`` (all four
-interleaved). The same kind, size and seed always give the same trace.
+interleaved), and ``loop`` (a few prefixes sent again and again in turn:
+a cyclic working set; replay it at ``LOOP_CAPACITY`` of its unique blocks and
+it is twice the tier). The same kind, size and seed always give the same trace.
+
+Replays offer only a request's *full* blocks: a Mooncake request of
+``input_length`` tokens has ``ceil(input_length / 512)`` ids, the last one
+usually a partial block that an engine never hashes, stores or looks up, so
+``trace_keys`` keeps the first ``input_length // block_size`` (``full_blocks``).
 """
 
 from __future__ import annotations
@@ -22,10 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
-from kvoffload.bench.mooncake import MooncakeRequest, read_mooncake_trace
+from kvoffload.bench.mooncake import MooncakeRequest, full_blocks, read_mooncake_trace
 from kvoffload.offload import OffloadKey, make_offload_key
 
-KINDS = ("chat", "agent", "rag", "oneoff", "mixed")
+KINDS = ("chat", "agent", "rag", "oneoff", "mixed", "loop")
+#: The capacity at which a ``loop`` trace's working set is twice the tier.
+LOOP_CAPACITY = "50%"
 
 
 def load_trace(path: str | Path) -> list[MooncakeRequest]:
@@ -45,8 +54,10 @@ def save_trace(requests: Sequence[MooncakeRequest], path: str | Path) -> None:
             f.write(json.dumps(obj) + "\n")
 
 
-def trace_keys(requests: Sequence[MooncakeRequest]) -> list[list[OffloadKey]]:
-    """Each request's blocks as offload keys (group 0); equal ids give equal keys."""
+def trace_keys(
+    requests: Sequence[MooncakeRequest], block_size: int = 512
+) -> list[list[OffloadKey]]:
+    """Each request's full blocks as offload keys (group 0); equal ids give equal keys."""
     cache: dict[int, OffloadKey] = {}
 
     def key(h: int) -> OffloadKey:
@@ -55,7 +66,12 @@ def trace_keys(requests: Sequence[MooncakeRequest]) -> list[list[OffloadKey]]:
             k = cache[h] = make_offload_key(h.to_bytes(8, "big", signed=True))
         return k
 
-    return [[key(h) for h in r.hash_ids] for r in requests]
+    return [[key(h) for h in full_blocks(r, block_size)] for r in requests]
+
+
+def trace_times(requests: Sequence[MooncakeRequest]) -> list[float]:
+    """Each request's arrival, in the trace's milliseconds."""
+    return [r.timestamp for r in requests]
 
 
 class _Chains:
@@ -137,7 +153,25 @@ def _oneoff(rng: np.random.Generator, chains: _Chains, tag: str) -> Iterator[lis
         yield chains.extend(-1, head + body)
 
 
-_GENERATORS = {"chat": _chat, "agent": _agent, "rag": _rag, "oneoff": _oneoff}
+def _loop(rng: np.random.Generator, chains: _Chains, tag: str) -> Iterator[list[int]]:
+    # Eight prompts of 20-60 blocks, always sent in the same turn: reuse
+    # distance is the whole working set, which defeats recency.
+    prompts = [
+        chains.extend(-1, [(tag, "loop", p, i) for i in range(int(rng.integers(20, 61)))])
+        for p in range(8)
+    ]
+    while True:
+        yield from prompts
+
+
+_GENERATORS = {
+    "chat": _chat,
+    "agent": _agent,
+    "rag": _rag,
+    "oneoff": _oneoff,
+    "loop": _loop,
+}
+_MIXED = ("chat", "agent", "rag", "oneoff")
 
 
 def generate(kind: str, num_requests: int, seed: int = 0) -> list[MooncakeRequest]:
@@ -148,7 +182,7 @@ def generate(kind: str, num_requests: int, seed: int = 0) -> list[MooncakeReques
         raise ValueError(f"num_requests must be positive, got {num_requests}")
     rng = np.random.default_rng(seed)
     chains = _Chains()
-    names = list(_GENERATORS) if kind == "mixed" else [kind]
+    names = list(_MIXED) if kind == "mixed" else [kind]
     streams = [_GENERATORS[k](rng, chains, k) for k in names]
     weights = np.array([0.35, 0.25, 0.3, 0.1] if kind == "mixed" else [1.0])
     out: list[MooncakeRequest] = []

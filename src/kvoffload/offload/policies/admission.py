@@ -93,6 +93,11 @@ class SecondSightPolicy(CachePolicy):
                 if k not in self.inner:
                     rejects[k] = None
 
+    def discard(self, key: OffloadKey) -> None:
+        """Forget resident ``key`` (pinned or not); the inner policy must have ``discard``."""
+        if self.rejects.pop(key, self.rejects) is not None:
+            self.inner.discard(key)  # type: ignore[attr-defined]
+
     def admit_all(self) -> bool:
         """Whether every new key goes straight to the inner policy (subclasses decide)."""
         return False

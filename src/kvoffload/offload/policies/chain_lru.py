@@ -125,6 +125,12 @@ class ChainLRUPolicy(CachePolicy):
             victims.append(node.key)
         return victims
 
+    def discard(self, key: OffloadKey) -> None:
+        """Forget resident ``key`` (pinned or not) without counting it as evicted."""
+        node = self._nodes.pop(key)
+        if node.older is not None:
+            self._unlink(node)
+
     def lru_order(self) -> list[OffloadKey]:
         """Unpinned keys, next victim first (for tests and debugging; O(n))."""
         out: list[OffloadKey] = []

@@ -8,6 +8,7 @@ from kvoffload.offload.policies.base import CachePolicy
 from kvoffload.offload.policies.chain_lru import ChainLRUPolicy
 from kvoffload.offload.policies.duel import DuelChainLRUPolicy
 from kvoffload.offload.policies.lru import FlatLRUPolicy, LRUPolicy
+from kvoffload.offload.policies.queue import QueueDuelPolicy
 from kvoffload.offload.policies.s3fifo import S3FIFOPolicy
 from kvoffload.offload.policies.sieve import SievePolicy
 
@@ -33,6 +34,7 @@ for _cls in (
     AdmitARCPolicy,
     AdmitLRUPolicy,
     DuelChainLRUPolicy,
+    QueueDuelPolicy,
 ):
     register_policy(_cls)
 
