@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -10,12 +11,54 @@ import pytest
 import zmq
 
 from kvoffload.events.publisher import END_SEQ, ZmqEventPublisher
+from kvoffload.events.subscriber import KVEventSubscriber, ReceivedBatch
 from kvoffload.events.types import AllBlocksCleared
 
 TOPIC = "kv-events"
 LOOPBACK_ANY = "tcp://127.0.0.1:*"
 
 PublisherFactory = Callable[..., ZmqEventPublisher]
+
+#: Only a hang guard for a scripted peer whose batches never come.
+HANG_GUARD_S = 30.0
+
+
+def live_taken_in(sub: KVEventSubscriber) -> int:
+    """Live batches ``sub`` has dealt with: handed out live, or skipped as duplicates.
+
+    A live batch that waits behind an open replay is not counted yet, so once
+    this equals the number of well-formed live batches sent, nothing more can
+    come out of ``sub``.
+    """
+    stats = sub.stats
+    return stats.received - stats.replayed + stats.duplicates
+
+
+def collect_until(
+    sub: KVEventSubscriber,
+    done: Callable[[list[ReceivedBatch]], bool],
+    live_sent: int,
+    guard_s: float = HANG_GUARD_S,
+) -> list[ReceivedBatch]:
+    """Receive from ``sub`` until ``done(received)``; fail at once on a stall.
+
+    ``live_sent`` is how many well-formed live batches the scripted publisher
+    sent. When the subscriber has taken in all of them and ``done`` is still
+    false, nothing will ever make it true (e.g. a restart taken for duplicates),
+    so this fails then instead of waiting out a receive deadline; ``guard_s``
+    only bounds waiting for batches still on their way.
+    """
+    out: list[ReceivedBatch] = []
+    give_up = time.monotonic() + guard_s
+    while not done(out):
+        got = sub.recv(0.2)
+        out.extend(got)
+        if got:
+            continue
+        where = f"{[(r.epoch, r.seq, r.replayed) for r in out]} {sub.stats}"
+        assert live_taken_in(sub) < live_sent, f"stalled with every live batch taken in: {where}"
+        assert time.monotonic() < give_up, f"stalled: {where}"
+    return out
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 
 import pytest
 import zmq
@@ -36,6 +37,7 @@ from tests.events.conftest import (
     TOPIC,
     FakePublisher,
     PublisherFactory,
+    collect_until,
     wait_subscribed,
 )
 
@@ -61,6 +63,10 @@ def _collect_until(
     return out
 
 
+def _has(seq: int, epoch: int = 0) -> Callable[[list[ReceivedBatch]], bool]:
+    return lambda out: any(r.seq == seq and r.epoch == epoch for r in out)
+
+
 # -- resynchronisation -------------------------------------------------------------
 
 
@@ -74,11 +80,11 @@ def test_publisher_restart_seq_back_to_zero_resyncs_with_a_message() -> None:
             fake.wait_subscriber()
             for s in range(10):
                 fake.send(s, _payload(s))
-            first = _collect_until(sub, 9)
+            first = collect_until(sub, _has(9), 10)
             # A new incarnation: seqs from 0 again, other payloads.
             for s in range(30):
                 fake.send(s, _payload(s, ts=1000.0 + s))
-            second = _collect_until(sub, 29, epoch=1)
+            second = collect_until(sub, _has(29, epoch=1), 40)
     finally:
         fake.close()
     assert [(r.seq, r.epoch) for r in first] == [(s, 0) for s in range(10)]
@@ -88,6 +94,41 @@ def test_publisher_restart_seq_back_to_zero_resyncs_with_a_message() -> None:
     assert sub.lost_ranges == []
     assert fake.requests == []
     assert any("went back from 10 to 0" in n and "resynchronising" in n for n in notices)
+
+
+@pytest.mark.parametrize("new_payloads", ["other", "same"])
+def test_restart_after_live_copies_of_replayed_batches_resyncs(new_payloads: str) -> None:
+    # Seqs 0..9 come by the start_seq catch-up replay, then live again (copies,
+    # skipped), then a restarted publisher sends 0..3. Live copies must advance
+    # the live high-water mark: otherwise 0..3 pass for more copies and the new
+    # incarnation is never delivered. With "same" payloads only that mark can
+    # tell the restart from copies.
+    old = [(s, _payload(s)) for s in range(10)]
+    ts = {"other": 1000.0, "same": 0.0}[new_payloads]
+    new = [(s, _payload(s, ts=ts + s)) for s in range(4)]
+    fake = FakePublisher(old)
+    notices: list[str] = []
+    try:
+        with KVEventSubscriber(
+            fake.endpoint, fake.replay_endpoint, TOPIC, start_seq=0, on_notice=notices.append
+        ) as sub:
+            fake.wait_subscriber()
+            for seq, payload in old + new:
+                fake.send(seq, payload)
+            got = collect_until(
+                sub, lambda out: any(r.epoch == 1 and r.seq == 3 for r in out), len(old + new)
+            )
+    finally:
+        fake.close()
+    assert [(r.epoch, r.seq, r.replayed) for r in got] == [(0, s, True) for s in range(10)] + [
+        (1, s, False) for s in range(4)
+    ]
+    assert [r.batch.ts for r in got] == [float(s) for s in range(10)] + [ts + s for s in range(4)]
+    assert sub.stats.resyncs == 1 and sub.epoch == 1
+    assert sub.stats.duplicates == 10
+    assert sub.lost_ranges == []
+    assert fake.requests == [0]
+    assert sum("resynchronising" in n for n in notices) == 1
 
 
 def test_absurd_seq_does_not_silence_the_stream() -> None:
@@ -104,7 +145,7 @@ def test_absurd_seq_does_not_silence_the_stream() -> None:
             fake.send(absurd, _payload(7))
             for s in range(101, 121):
                 fake.send(s, _payload(s))
-            got = _collect_until(sub, 120, epoch=2)
+            got = collect_until(sub, _has(120, epoch=2), 122)
     finally:
         fake.close()
     later = [r.seq for r in got if r.epoch == 2]
@@ -138,6 +179,9 @@ def test_real_publisher_restart_on_the_same_port(make_pub: PublisherFactory) -> 
                 got.extend(sub.recv(0.05))
                 if got:
                     break
+                # The old publisher had no replay, so nothing it sent can
+                # have a live copy: a duplicate is a restart gone unnoticed.
+                assert sub.stats.duplicates == 0, "the restarted publisher's batches were skipped"
         finally:
             new.shutdown()
     assert got, "no batch from the restarted publisher"
