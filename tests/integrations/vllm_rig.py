@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -351,20 +352,26 @@ class VLLMRig:
                 # Nothing to compute: only transfers can make progress. Wait for them
                 # instead of spinning, so the step count does not depend on I/O speed.
                 assert self.kv_worker.wait_all(timeout=60), "transfers stuck for 60 s"
+                if not isinstance(self.manager, KVOffloadManager):
+                    # vLLM's tiering: lower-tier jobs and lookups run in the scheduler
+                    # process, answered at a later step.
+                    time.sleep(0.002)
         raise AssertionError(f"engine still busy after {max_steps} steps")
 
     def _transfers_in_flight(self) -> bool:
         if self.worker_connector is None:
             return False
-        return self.kv_worker.num_in_flight() > 0 or bool(self.manager.num_in_flight())
+        manager = self.manager
+        if isinstance(manager, KVOffloadManager):
+            return self.kv_worker.num_in_flight() > 0 or bool(manager.num_in_flight())
+        return self.kv_worker.num_in_flight() > 0 or manager.has_pending_work()
 
     @property
-    def manager(self) -> KVOffloadManager:
+    def manager(self) -> Any:
+        """``KVOffloadManager`` (CPU tier only) or ``KVOffloadTieringManager`` (lower tiers)."""
         connector = self.scheduler.connector
         assert isinstance(connector, OffloadingConnector)
-        manager = connector.connector_scheduler.manager
-        assert isinstance(manager, KVOffloadManager)
-        return manager
+        return connector.connector_scheduler.manager
 
     def shutdown(self) -> None:
         if self.scheduler.connector is not None:

@@ -111,3 +111,30 @@ def test_host_buffer_is_zeroed_aligned_and_kept_alive() -> None:
     assert host_buffer(100).numel() == 100
     with pytest.raises(ValueError, match="positive"):
         host_buffer(0)
+
+
+def test_over_tensors_reads_and_writes_strided_shared_rows_in_place() -> None:
+    """Rows of a wider buffer (a shared region whose row holds every rank's shard)."""
+    geometry = KVGeometry(
+        num_layers=3, num_kv_heads=1, head_size=8, block_size=1, dtype=torch.uint8
+    )
+    layout = KVLayout(geometry, "kv_split")
+    row, num_slots, row_stride = 16, 4, 3 * 16 * 2 + 32  # two ranks, padding after them
+    buffer = torch.zeros(num_slots * row_stride, dtype=torch.uint8)
+    rank_offset = 3 * row  # rank 1's shard starts after rank 0's three planes
+    tensors = [
+        torch.as_strided(buffer, (num_slots, row), (row_stride, 1), rank_offset + p * row).view(
+            num_slots, 2, 1, 1, 8
+        )
+        for p in range(3)
+    ]
+    pool = HostPool.over_tensors(layout, tensors)
+    assert pool.num_slots == num_slots and pool.region is None and not pool.pinned
+    data = torch.arange(2 * pool.slot_bytes, dtype=torch.int64).to(torch.uint8).view(2, -1)
+    pool.write_slots([3, 1], data)
+    assert torch.equal(pool.read_slots([3, 1]), data)
+    rows = buffer.view(num_slots, row_stride)
+    assert torch.equal(rows[3, rank_offset : rank_offset + 3 * row], data[0])
+    assert not rows[:, :rank_offset].any() and not rows[:, rank_offset + 3 * row :].any()
+    with pytest.raises(ValueError, match="multiple of"):
+        HostPool.over_tensors(layout, tensors, block_size_factor=3)

@@ -52,6 +52,7 @@ class HostPool:
         self.num_slots = num_slots
         self.block_size_factor = block_size_factor
         shape = layout.region_shape(self.num_sub_blocks)
+        self.region: torch.Tensor | None
         if buffer is None:
             dtype = layout.geometry.dtype
             self.pinned = bool(pin_memory) and torch.cuda.is_available()
@@ -67,6 +68,48 @@ class HostPool:
             self.region = _adopt(buffer, self.nbytes).view(layout.geometry.dtype).view(shape)
         self.tensors: list[torch.Tensor] = layout.split_region(self.region)
         self.planes: list[torch.Tensor] = layout.block_planes(self.tensors)
+
+    @classmethod
+    def over_tensors(
+        cls,
+        layout: KVLayout,
+        tensors: Sequence[torch.Tensor],
+        block_size_factor: int = 1,
+        pinned: bool = False,
+    ) -> HostPool:
+        """A pool whose slots are the rows of existing host ``tensors`` (the layout's tensors).
+
+        For memory another party allocated and shares, such as a region
+        mapped by several processes (vLLM's shared offload region, one row
+        per slot, each rank seeing its own shard of the row). The tensors
+        must match ``layout`` for ``num_slots * block_size_factor`` blocks
+        (``KVLayout.num_blocks_of``: rows contiguous, blocks may be strided);
+        the pool reads and writes them in place and never frees them.
+        ``region`` is None for such a pool. ``pinned`` records whether the
+        owner page-locked the memory (device copies run asynchronously then).
+        """
+        if not isinstance(block_size_factor, int) or block_size_factor <= 0:
+            raise ValueError(
+                f"HostPool block_size_factor must be a positive int, got {block_size_factor!r}"
+            )
+        tensors = list(tensors)
+        num_blocks = layout.num_blocks_of(tensors)
+        if tensors[0].device.type != "cpu":
+            raise ValueError(f"HostPool tensors must be on the CPU, got {tensors[0].device}")
+        if num_blocks == 0 or num_blocks % block_size_factor:
+            raise ValueError(
+                f"HostPool tensors hold {num_blocks} blocks, not a positive multiple of "
+                f"block_size_factor={block_size_factor}"
+            )
+        pool = cls.__new__(cls)
+        pool.layout = layout
+        pool.num_slots = num_blocks // block_size_factor
+        pool.block_size_factor = block_size_factor
+        pool.pinned = pinned
+        pool.region = None
+        pool.tensors = tensors
+        pool.planes = layout.block_planes(tensors)
+        return pool
 
     @classmethod
     def from_budget(

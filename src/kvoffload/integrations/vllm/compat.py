@@ -47,3 +47,36 @@ def check_supported() -> tuple[int, int]:
             f"kvoffload.integrations.vllm supports vLLM {names}; found {version[0]}.{version[1]}"
         )
     return version
+
+
+# -- vLLM's tiering (0.32 and 0.33 both have it; constructors differ) ---------------------
+
+
+def _accepted(fn: object, kwargs: dict[str, object]) -> dict[str, object]:
+    """``kwargs`` less the keywords ``fn`` does not take (a release that lacks them)."""
+    import inspect
+
+    params = inspect.signature(fn).parameters  # type: ignore[arg-type]
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def make_primary_tier(**kwargs: object) -> object:
+    """vLLM's ``CPUPrimaryTierOffloadingManager``; ``info`` is 0.33-only (dropped on 0.32)."""
+    from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager
+
+    return CPUPrimaryTierOffloadingManager(**_accepted(CPUPrimaryTierOffloadingManager, kwargs))
+
+
+def tiering_manager_kwargs(cls: type, **kwargs: object) -> dict[str, object]:
+    """Keywords for a ``TieringOffloadingManager`` (sub)class: ``tier_poll_interval_s`` is
+    0.33-only (0.32 services its tiers once per engine step, from ``on_schedule_end``)."""
+    return _accepted(cls.__init__, kwargs)
+
+
+def cpu_offloading_info(config: object, num_chunks: int, kv_bytes_per_chunk: int) -> object:
+    """0.33's ``CPUOffloadingInfo`` (the config-info metric's labels); None on 0.32."""
+    try:
+        from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
+    except ImportError:  # 0.32
+        return None
+    return CPUOffloadingInfo.from_config(config, num_chunks, kv_bytes_per_chunk)

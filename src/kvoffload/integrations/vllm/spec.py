@@ -1,25 +1,32 @@
-"""``KVOffloadSpec``: kvoffload's tiers as a vLLM 0.33 ``OffloadingSpec``.
+"""``KVOffloadSpec``: kvoffload's tiers as a vLLM ``OffloadingSpec`` (0.32 and 0.33).
 
 vLLM builds one spec on the scheduler side (``get_manager``) and one per
-worker (``get_worker``). The CPU tier needs nothing shared between them: both
-sides size it from the same config (``cpu_bytes`` over the offloaded block's
-bytes on all workers). Lower tiers do: the disk tier's index and the Redis
-tier's presence checks live next to their stores, so the worker side builds
-the whole stack and the scheduler side takes its manager from a per-process
-registry (keyed by vLLM's engine id). That needs the worker in the
-scheduler's process, which is vLLM's layout for one GPU (the uniproc
-executor); elsewhere ``disk_dir``/``redis_url`` is refused at start-up.
+worker rank (``get_worker``), in different processes under vLLM's default
+multiprocess executor. Who owns what:
+
+- CPU tier only (no ``disk_dir`` / ``redis_url``): the scheduler side holds
+  kvoffload's ``CPUOffloadingManager`` behind ``KVOffloadManager``; each
+  worker holds a private host pool of the same number of slots (both sides
+  size it from the same config: ``cpu_bytes`` over the offloaded block's
+  bytes on all workers), and copies GPU <-> its pool.
+- With lower tiers: the scheduler side holds vLLM's tiering manager
+  (``KVOffloadTieringManager``) with a CPU primary tier on vLLM's
+  ``SharedOffloadRegion`` (``/dev/shm``, mapped whole by the scheduler,
+  rank=None) and kvoffload's ``KVOffloadDiskTier`` / ``KVOffloadRedisTier``
+  as secondary tiers: every byte between CPU rows and disk / Redis moves in
+  the scheduler process, and every piece of tier state lives there. Each
+  worker maps its rank's shard of the same region (every row holds all ranks'
+  shards) and runs kvoffload's GPU <-> CPU copies over it. Any executor, any
+  TP size; nothing is passed between processes but vLLM's own job specs.
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import logging
-import os
-import threading
+import mmap
 from typing import Any
 
+import torch
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     OffloadingManager,
@@ -36,15 +43,13 @@ from kvoffload.integrations.vllm.settings import (
 )
 from kvoffload.integrations.vllm.worker import KVOffloadWorker, plane_layout
 from kvoffload.offload import CPUOffloadingManager
-from kvoffload.offload.tiered_manager import TieredOffloadingManager
-from kvoffload.tiers.stack import make_lower_tiers
-from kvoffload.transfer import HostPool, format_bytes
+from kvoffload.transfer import HostPool, KVLayout, format_bytes
 
 # Under "vllm." so that vLLM's logging configuration shows these lines.
 logger = logging.getLogger("vllm.kvoffload")
 
-_registry_lock = threading.Lock()
-_tiered_by_engine: dict[str, TieredOffloadingManager] = {}
+#: Where ``secondary_tiers`` entries find kvoffload's tier classes.
+TIERS_MODULE = "kvoffload.integrations.vllm"
 
 
 def model_identity(config: OffloadingConfig) -> str:
@@ -80,6 +85,21 @@ class KVOffloadSpec(OffloadingSpec):
     #: vLLM's load-failure recovery instead of vLLM's assertion.
     recover_failed_loads: bool = False
 
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's tiering metrics (``vllm:kv_offload_tiering_*``) when lower tiers are set."""
+        try:
+            settings = parse_settings(extra_config)
+        except KVOffloadConfigError:
+            return {}  # the engine refuses the config at start-up, with the one line
+        if not settings.has_lower_tiers:
+            return {}
+        from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+        return TieringOffloadingSpec.build_metric_definitions(
+            {"secondary_tiers": secondary_tier_configs(settings)}
+        )
+
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         self.settings: KVOffloadSettings = parse_settings(self.extra_config)
@@ -90,19 +110,35 @@ class KVOffloadSpec(OffloadingSpec):
             )
         world = max(1, config.parallel.world_size)
         slot_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
+        self.tiered = self.settings.has_lower_tiers
+        # The shared region's geometry (vLLM's names, read by vLLM's secondary
+        # tiers): a row per chunk, holding each rank's page of it in rank order,
+        # padded to whole memory pages.
+        self.cpu_page_size_per_worker = slot_bytes
+        self.kv_bytes_per_chunk = _round_up(slot_bytes * world, mmap.PAGESIZE)
+        self.all_layers_portable: bool | None = None
+        row = self.kv_bytes_per_chunk if self.tiered else slot_bytes * world
         self.num_slots = 0
         if slot_bytes > 0:
-            self.num_slots = self.settings.cpu_bytes // (slot_bytes * world)
+            self.num_slots = self.settings.cpu_bytes // row
             if self.num_slots < 1:
                 raise KVOffloadConfigError(
                     "kv_connector_extra_config['cpu_bytes']: "
                     f"{format_bytes(self.settings.cpu_bytes)} is smaller than one offloaded "
-                    f"block on {world} worker(s) "
-                    f"({slot_bytes * world} bytes)"
+                    f"block on {world} worker(s) ({row} bytes)"
                 )
+        if self.tiered and self.blocks_per_chunk != 1:
+            raise KVOffloadConfigError(
+                "kv_connector_extra_config['block_size']: with disk_dir / redis_url the "
+                "offloaded block must be the GPU block (blocks_per_chunk 1), got "
+                f"{self.blocks_per_chunk} GPU blocks per offloaded block"
+            )
+        #: vLLM's name for the CPU tier's size in chunks (read by vLLM's tiers).
+        self.num_chunks = self.num_slots
         self.identity = model_identity(config)
-        self._manager: KVOffloadManager | None = None
+        self._manager: OffloadingManager | None = None
         self._worker: KVOffloadWorker | None = None
+        self._region: Any = None
         if self.num_slots:
             logger.info(
                 "kvoffload: CPU tier of %d blocks (%s per worker), policy %s%s%s",
@@ -117,26 +153,75 @@ class KVOffloadSpec(OffloadingSpec):
     def _events(self) -> bool:
         return self.kv_events_config.enable_kv_cache_events
 
+    # -- scheduler side ------------------------------------------------------------
+
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            inner: CPUOffloadingManager | TieredOffloadingManager
-            if self.settings.has_lower_tiers:
-                with _registry_lock:
-                    tiered = _tiered_by_engine.get(self.config.engine_id)
-                if tiered is None:
-                    raise KVOffloadConfigError(
-                        "kv_connector_extra_config['disk_dir'/'redis_url']: lower tiers need "
-                        "vLLM's worker in the scheduler's process (one GPU, uniproc executor)"
-                    )
-                inner = tiered
+            if self.tiered:
+                self._manager = self._build_tiering_manager()
             else:
                 inner = CPUOffloadingManager(
                     self.num_slots, self.settings.cache_policy, enable_events=self._events
                 )
-            self._manager = KVOffloadManager(
-                inner, self.settings.store_threshold, self.settings.max_tracker_size
-            )
+                self._manager = KVOffloadManager(
+                    inner, self.settings.store_threshold, self.settings.max_tracker_size
+                )
         return self._manager
+
+    def _build_tiering_manager(self) -> OffloadingManager:
+        from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+        from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+        from kvoffload.integrations.vllm import compat
+        from kvoffload.integrations.vllm.tiering import KVOffloadTieringManager
+
+        policy, policy_module = cpu_tier_policy(self.settings)
+        poll = {}
+        if self.settings.tier_poll_interval_s is not None:
+            poll["tier_poll_interval_s"] = self.settings.tier_poll_interval_s
+        region = SharedOffloadRegion(
+            self.config.engine_id,
+            self.num_slots,
+            None,
+            self.kv_bytes_per_chunk,
+            self.cpu_page_size_per_worker,
+        )
+        primary: Any = None
+        tiers: list[Any] = []
+        try:
+            primary = compat.make_primary_tier(
+                num_chunks=self.num_slots,
+                mmap_region=region,
+                cache_policy=policy,
+                cache_policy_module_path=policy_module,
+                enable_events=self._events,
+                info=compat.cpu_offloading_info(
+                    self.config, self.num_slots, self.kv_bytes_per_chunk
+                ),
+            )
+            view = primary.get_kv_memoryview()
+            for tier_config in secondary_tier_configs(self.settings):
+                tiers.append(SecondaryTierFactory.create_secondary_tier(tier_config, view, self))
+            return KVOffloadTieringManager(
+                primary,
+                tiers,
+                store_threshold=self.settings.store_threshold,
+                max_tracker_size=self.settings.max_tracker_size,
+                **compat.tiering_manager_kwargs(KVOffloadTieringManager, **poll),
+            )
+        except Exception:
+            for tier in reversed(tiers):
+                try:
+                    tier.shutdown()
+                except Exception:
+                    logger.exception("kvoffload: shutting down a tier after a failed start")
+            if primary is not None:
+                primary.shutdown()
+            else:
+                region.cleanup()
+            raise
+
+    # -- worker side ---------------------------------------------------------------
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
@@ -145,53 +230,74 @@ class KVOffloadSpec(OffloadingSpec):
 
     def _build_worker(self, kv_caches: CanonicalKVCaches) -> KVOffloadWorker:
         layout, views, _ = plane_layout(kv_caches)
-        host_pool = HostPool(layout, self.num_slots, self.blocks_per_chunk, pin_memory=True)
-        lower = None
-        if self.settings.has_lower_tiers:
-            cpu = CPUOffloadingManager(
-                self.num_slots, self.settings.cache_policy, enable_events=self._events
+        if not self.tiered:
+            host_pool = HostPool(layout, self.num_slots, self.blocks_per_chunk, pin_memory=True)
+            return KVOffloadWorker(
+                layout, views, host_pool, recover_failed_loads=self.recover_failed_loads
             )
-            lower = make_lower_tiers(cpu, host_pool, views, layout, **self._tier_args())
-            with _registry_lock:
-                _tiered_by_engine[self.config.engine_id] = lower.manager
+        host_pool, region = self._shared_host_pool(layout)
         return KVOffloadWorker(
             layout,
             views,
             host_pool,
-            lower,
             recover_failed_loads=self.recover_failed_loads,
-            on_shutdown=self.shutdown_tiers if lower is not None else None,
+            on_shutdown=region.cleanup,
         )
 
-    def _tier_args(self) -> dict[str, Any]:
-        s = self.settings
-        hash_algo = self.identity.rsplit("hash=", 1)[-1]
-        args: dict[str, Any] = {
-            "hash_fn": hash_algo,
-            "model_id": self.identity,
-            "hash_seed": os.environ.get("PYTHONHASHSEED", ""),
-            "tp_rank": self.config.parallel.rank,
-            "tp_size": self.config.parallel.world_size,
-            "disk_dir": s.disk_dir,
-            "disk_bytes": s.disk_bytes,
-            "redis_url": s.redis_url,
-            "write_mode": "write_through" if s.write_through else "write_back",
-            "enable_events": self._events,
-        }
-        accepted = inspect.signature(make_lower_tiers).parameters
-        if "model_id" not in accepted:
-            # Tiers without an identity input: key them by directory and namespace.
-            digest = hashlib.sha256(
-                f"{self.identity};rank={self.config.parallel.rank}/"
-                f"{self.config.parallel.world_size}".encode()
-            ).hexdigest()[:16]
-            if s.disk_dir:
-                args["disk_dir"] = os.path.join(s.disk_dir, f"vllm-{digest}")
-                os.makedirs(args["disk_dir"], exist_ok=True)
-            args["redis_namespace"] = f"kvoffload:vllm-{digest}"
-        return {k: v for k, v in args.items() if k in accepted}
+    def _shared_host_pool(self, layout: KVLayout) -> tuple[HostPool, Any]:
+        """This rank's shard of the shared region, as a host pool of ``layout``."""
+        from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
-    def shutdown_tiers(self) -> None:
-        """Forget this engine's lower-tier registry entry (worker side closes the stores)."""
-        with _registry_lock:
-            _tiered_by_engine.pop(self.config.engine_id, None)
+        region = SharedOffloadRegion(
+            self.config.engine_id,
+            self.num_slots,
+            self.config.parallel.rank,
+            self.kv_bytes_per_chunk,
+            self.cpu_page_size_per_worker,
+        )
+        try:
+            row = layout.plane_row_bytes
+            shape = layout.tensor_shape(self.num_slots)[1:]
+            tensors = [
+                region.create_next_worker_view(row).view(torch.uint8).view(self.num_slots, *shape)
+                for _ in range(layout.num_planes)
+            ]
+            host_pool = HostPool.over_tensors(layout, tensors, 1, pinned=region.is_pinned)
+        except Exception:
+            region.cleanup()
+            raise
+        self._region = region
+        return host_pool, region
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def secondary_tier_configs(settings: KVOffloadSettings) -> list[dict[str, Any]]:
+    """``secondary_tiers`` entries (vLLM's tiering format) for the lower tiers in ``settings``."""
+    return [dict(entry) for entry in settings.secondary_tiers()]
+
+
+def cpu_tier_policy(settings: KVOffloadSettings) -> tuple[str, str | None]:
+    """vLLM ``CachePolicy`` name and module path for kvoffload's ``cache_policy``.
+
+    kvoffload's policies as vLLM cache policies live in
+    ``kvoffload.integrations.vllm.policies``; a release of kvoffload without
+    that module gives vLLM's "lru" (logged).
+    """
+    if settings.cache_policy_module_path is not None:
+        return settings.vllm_eviction_policy or settings.cache_policy, (
+            settings.cache_policy_module_path
+        )
+    try:
+        from kvoffload.integrations.vllm import policies
+    except ImportError:
+        logger.warning(
+            "kvoffload: the CPU tier uses vLLM's lru policy (kvoffload's %r is not "
+            "available as a vLLM cache policy)",
+            settings.cache_policy,
+        )
+        return "lru", None
+    name = policies.vllm_policy_name(settings.cache_policy)
+    return name, policies.__name__

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from vllm.v1.kv_offload.base import (
+    BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
     GPULoadStoreSpec,
     LoadStoreSpec,
@@ -40,6 +41,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvoffload.integrations.vllm.manager import KVOffloadJobSpec
+from kvoffload.offload import CPULoadStoreSpec as KVCPUSpec
 from kvoffload.offload import GPULoadStoreSpec as KVGPUSpec
 from kvoffload.transfer import HostPool, KVGeometry, KVLayout
 from kvoffload.transfer.worker import OffloadingWorker as KVWorker
@@ -53,6 +55,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.kvoffload")
 
 GPU, CPU = "GPU", "CPU"
+#: The job tag of a job that no kvoffload manager prepared (vLLM's tiering manager did).
+NO_OP = -1
 
 
 def plane_layout(kv_caches: CanonicalKVCaches) -> tuple[KVLayout, list[torch.Tensor], int]:
@@ -139,9 +143,13 @@ class KVOffloadWorker(OffloadingWorker):
 
     @staticmethod
     def _inner(spec: LoadStoreSpec) -> tuple[object, int]:
-        if not isinstance(spec, KVOffloadJobSpec):
-            raise TypeError(f"expected a kvoffload job spec, got {type(spec).__name__}")
-        return spec.inner, spec.op_id
+        if isinstance(spec, KVOffloadJobSpec):
+            return spec.inner, spec.op_id
+        if isinstance(spec, BlockIDsLoadStoreSpec) and type(spec).__name__ == "CPULoadStoreSpec":
+            # vLLM's tiering manager (lower tiers configured): its CPU chunk ids are
+            # rows of the shared region, which are this worker's host pool slots.
+            return KVCPUSpec(spec.block_ids), NO_OP
+        raise TypeError(f"expected a kvoffload or CPU job spec, got {type(spec).__name__}")
 
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
@@ -177,7 +185,8 @@ class KVOffloadWorker(OffloadingWorker):
                 kind = "load" if job is not None and job.is_load else "store"
                 logger.warning("kvoffload: %s job %d failed: %s", kind, r.job_id, r.error)
                 if job is not None and self.recover_failed_loads:
-                    self._failed_ops.add(job.op_id)
+                    if job.op_id != NO_OP:
+                        self._failed_ops.add(job.op_id)
                     if job.is_load:
                         self._load_error_blocks.update(job.gpu_block_ids)
                     success = True
@@ -217,4 +226,9 @@ class KVOffloadWorker(OffloadingWorker):
         if self.lower is not None:
             self.lower.close()
         if self.on_shutdown is not None:
+            # The host pool may view memory the hook releases (the shared region):
+            # drop this worker's views of it first.
+            self.worker = KVWorker()
+            self.host_pool = None  # type: ignore[assignment]
             self.on_shutdown()
+            self.on_shutdown = None
