@@ -14,11 +14,15 @@ import numpy as np
 import torch
 
 from kvoffload.offload import CPUOffloadingManager, GPULoadStoreSpec, OffloadKey, make_offload_key
-from kvoffload.tiers.stack import LowerTiers, make_lower_tiers
+from kvoffload.tiers.config import TierConfig, TierIdentity
+from kvoffload.tiers.stack import LowerTiers, make_tiers
 from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.layout import KVGeometry, KVLayout
 from kvoffload.transfer.spec import TransferSpec
 from kvoffload.transfer.worker import OffloadingWorker
+
+#: ``Rig`` keywords that are the tiers' identity rather than their configuration.
+IDENTITY_KEYS = ("hash_fn", "hash_seed", "kv_quant", "tp_rank", "tp_size")
 
 GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_size=16, block_size=4, dtype=torch.float16)
 
@@ -48,18 +52,18 @@ class Rig:
         self.pool = HostPool(self.layout, cpu_blocks, pin_memory=False)
         self.cpu = CPUOffloadingManager(cpu_blocks, "lru", enable_events=True)
         self.worker = OffloadingWorker.for_cpu_tier(self.gpu, self.layout, self.pool)
-        self.tiers: LowerTiers = make_lower_tiers(
-            self.cpu,
-            self.pool,
-            self.gpu,
-            self.layout,
-            hash_fn="xxhash64",
-            model_id=model_id,
-            disk_dir=disk_dir,
-            disk_blocks=disk_blocks,
+        ident = {k: tier_kw.pop(k) for k in IDENTITY_KEYS if k in tier_kw}
+        ident.setdefault("hash_fn", "xxhash64")
+        self.config = TierConfig(
+            disk_dir=None if disk_dir is None else str(disk_dir),
+            disk_blocks=disk_blocks if disk_dir is not None else None,
             redis_url=redis_url,
             write_mode=write_mode,
             **tier_kw,  # type: ignore[arg-type]
+        )
+        self.identity = TierIdentity(model_id=model_id, **ident)  # type: ignore[arg-type]
+        self.tiers: LowerTiers = make_tiers(
+            self.cpu, self.pool, self.gpu, self.layout, self.config, self.identity
         )
         self.tiers.register(self.worker)
         self.m = self.tiers.manager

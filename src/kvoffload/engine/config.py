@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvoffload.tiers.config import TierConfig
 
 STORE_MODES = ("off", "eager", "lazy")
 KV_LAYOUTS = ("layer_first", "kv_split", "cross_layer")
@@ -93,12 +97,38 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.hash_seed must be a string or None, got {self.hash_seed!r}"
             )
+        if self.has_lower_tiers:
+            self.tier_config()  # checks the lower tiers' settings now, before any work
         from kvoffload.events.types import check_profile
 
         try:
             check_profile(self.events_format)
         except ValueError as exc:
             raise ValueError(f"EngineConfig.events_format: {exc}") from None
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        return self.disk_dir is not None or self.redis_url is not None
+
+    def tier_config(self) -> TierConfig | None:
+        """The lower tiers as one ``TierConfig`` (None: CPU tier only).
+
+        ``disk_bytes`` wins over ``num_disk_blocks`` when both are set.
+        """
+        from kvoffload.tiers.config import TierConfig
+
+        if not self.has_lower_tiers:
+            return None
+        return TierConfig(
+            disk_dir=self.disk_dir,
+            disk_bytes=self.disk_bytes if self.disk_dir else None,
+            disk_blocks=None if self.disk_bytes or not self.disk_dir else self.num_disk_blocks,
+            redis_url=self.redis_url,
+            write_mode="write_through" if self.write_through else "write_back",
+            enable_events=self.publishes_events,
+            num_threads=self.transfer_threads,
+            where="EngineConfig",
+        )
 
     @property
     def publishes_events(self) -> bool:

@@ -8,7 +8,8 @@ from kvoffload.engine.model_runner import ModelRunner
 from kvoffload.hashing.block_hash import none_hash_seed_is_random, resolve_none_hash_seed
 from kvoffload.offload import CPUOffloadingManager
 from kvoffload.offload.base import OffloadingManager
-from kvoffload.tiers.stack import make_lower_tiers
+from kvoffload.tiers.config import TierIdentity
+from kvoffload.tiers.stack import make_tiers
 from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.worker import OffloadingWorker
 
@@ -25,22 +26,15 @@ def build_lower_tiers(
     Configuration errors (unwritable directory, a directory written by an
     incompatible engine, a malformed Redis URL) raise here, before serving.
     """
-    tiers = make_lower_tiers(
-        cpu,
-        host_pool,
-        runner.kv_tensors,
-        runner.layout,
-        hash_fn=config.hash_fn,
+    tier_config = config.tier_config()
+    if tier_config is None:
+        raise ValueError("EngineConfig names no lower tier (disk_dir or redis_url)")
+    identity = TierIdentity(
         model_id=engine_model_identity(config.model_path, runner.model_config, config.seed),
+        hash_fn=config.hash_fn,
         hash_seed=_fingerprint_seed(config),
-        disk_dir=config.disk_dir,
-        disk_bytes=config.disk_bytes,
-        disk_blocks=None if config.disk_bytes else config.num_disk_blocks,
-        redis_url=config.redis_url,
-        write_mode="write_through" if config.write_through else "write_back",
-        enable_events=config.publishes_events,
-        num_threads=config.transfer_threads,
     )
+    tiers = make_tiers(cpu, host_pool, runner.kv_tensors, runner.layout, tier_config, identity)
     tiers.register(worker)
     return tiers.manager, (tiers,)
 

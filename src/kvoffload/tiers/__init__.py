@@ -5,6 +5,7 @@
 - ``identity``: the tier fingerprint (what decides a stored block's bytes);
 - ``slot_io``: CPU slots as the byte blocks the stores keep;
 - ``tiered_handler``: GPU <-> CPU <-> disk / Redis jobs on the worker side;
+- ``config``: ``TierConfig`` (what the lower tiers take, checked once) and ``TierIdentity``;
 - ``stack``: building the tiers behind a CPU tier (``make_tiers``).
 
 Names are loaded lazily: ``import kvoffload.tiers`` costs nothing until a
@@ -17,14 +18,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvoffload.tiers.stack import LowerTiers, make_lower_tiers
+    from kvoffload.tiers.config import TierConfig, TierConfigError, TierIdentity
+    from kvoffload.tiers.stack import LowerTiers, make_tiers
 
 _LAZY = {
+    "TierConfig": "kvoffload.tiers.config",
+    "TierConfigError": "kvoffload.tiers.config",
+    "TierIdentity": "kvoffload.tiers.config",
     "LowerTiers": "kvoffload.tiers.stack",
-    "make_lower_tiers": "kvoffload.tiers.stack",
+    "make_tiers": "kvoffload.tiers.stack",
 }
 
-__all__ = ["LowerTiers", "make_lower_tiers"]
+__all__ = ["LowerTiers", "TierConfig", "TierConfigError", "TierIdentity", "make_tiers"]
 
 
 def __getattr__(name: str) -> Any:

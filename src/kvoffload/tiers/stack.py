@@ -1,8 +1,10 @@
 """Assembling the disk and remote tiers behind a CPU tier: stores, managers, handlers.
 
-One call builds both sides, since each needs the other's facts at start-up:
-the disk manager is seeded with the blocks the re-opened disk store still
-holds, and the remote manager asks the remote store what the server has.
+``make_tiers(cpu, host_pool, gpu_tensors, layout, config, identity)`` takes
+the one ``TierConfig`` every front end builds. One call builds both sides,
+since each needs the other's facts at start-up: the disk manager is seeded
+with the blocks the re-opened disk store still holds, and the remote
+manager asks the remote store what the server has.
 Errors in the configuration (an unwritable directory, a directory written
 by an incompatible engine, a malformed Redis URL, rejected credentials) are
 raised here, before the engine starts serving; an unreachable Redis server
@@ -30,6 +32,7 @@ from kvoffload.offload.base import OffloadKey
 from kvoffload.offload.cpu_manager import CPUOffloadingManager
 from kvoffload.offload.lower_tier import DISK_MEDIUM, REMOTE_MEDIUM, TIERED_MEDIUM, LowerTierManager
 from kvoffload.offload.tiered_manager import TieredOffloadingManager
+from kvoffload.tiers.config import TierConfig, TierConfigError, TierIdentity
 from kvoffload.tiers.disk.handler import DiskTransferHandler
 from kvoffload.tiers.disk.manager import DiskOffloadingManager
 from kvoffload.tiers.disk.store import DiskBlockStore
@@ -40,7 +43,6 @@ from kvoffload.tiers.redis.store import RedisBlockStore
 from kvoffload.tiers.tiered_handler import TieredTransferHandler
 from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.layout import KVLayout
-from kvoffload.transfer.sizing import parse_bytes
 from kvoffload.transfer.worker import OffloadingWorker, make_cpu_gpu_handler
 
 CPU = "CPU"
@@ -89,6 +91,84 @@ class LowerTiers:
             self.redis_store.close()
 
 
+def make_tiers(
+    cpu: CPUOffloadingManager,
+    host_pool: HostPool,
+    gpu_tensors: Sequence[torch.Tensor],
+    layout: KVLayout,
+    config: TierConfig,
+    identity: TierIdentity,
+) -> LowerTiers:
+    """Disk (if ``config.disk_dir``) then remote (if ``config.redis_url``) tiers under ``cpu``.
+
+    ``identity`` and the layout go into the tiers' fingerprint (module
+    docstring). The disk budget is counted in CPU slots of ``host_pool``.
+    """
+    slot_bytes = host_pool.slot_bytes
+    fingerprint = tier_fingerprint(
+        layout,
+        host_pool.block_size_factor,
+        model_id=identity.model_id,
+        hash_fn=identity.hash_fn,
+        hash_seed=identity.hash_seed,
+        kv_quant=identity.kv_quant,
+        tp_rank=identity.tp_rank,
+        tp_size=identity.tp_size,
+    )
+    threads = config.num_threads
+    lower: list[LowerTierManager] = []
+    disk_store = redis_store = None
+    disk_handler = redis_handler = None
+    try:
+        if config.disk_dir:
+            disk_blocks = config.disk_slots(slot_bytes)
+            disk_store = DiskBlockStore(
+                config.disk_dir,
+                slot_bytes,
+                disk_blocks,
+                fingerprint,
+                hash_fn=identity.hash_fn,
+                direct_io=config.direct_io,
+            )
+            restored = [(OffloadKey(e.key), e.slot) for e in disk_store.entries()]
+            lower.append(
+                DiskOffloadingManager(
+                    disk_blocks, config.enable_events, restored, clear_store=disk_store.clear
+                )
+            )
+            disk_handler = DiskTransferHandler(disk_store, host_pool, threads)
+        if config.redis_url:
+            redis_store = RedisBlockStore(
+                config.redis_url,
+                config.redis_namespace,
+                slot_bytes,
+                ttl_s=config.redis_ttl_s,
+                timeout_s=config.redis_timeout_s,
+                geometry_fingerprint=fingerprint,
+                hash_fn=identity.hash_fn,
+            )
+            lower.append(
+                RemoteOffloadingManager(
+                    redis_store.contains_many,
+                    lambda: redis_store.available,  # type: ignore[union-attr]
+                    config.enable_events,
+                )
+            )
+            redis_handler = RedisTransferHandler(redis_store, host_pool, threads)
+        manager = TieredOffloadingManager(cpu, lower, write_mode=config.write_mode)
+        cpu_gpu = make_cpu_gpu_handler(gpu_tensors, layout, host_pool, threads)
+        handler = TieredTransferHandler(cpu_gpu, disk_handler, redis_handler, 2 * threads)
+    except BaseException:
+        for h in (disk_handler, redis_handler):
+            if h is not None:
+                h.close()
+        for s in (disk_store, redis_store):
+            if s is not None:
+                s.close()
+        raise
+    return LowerTiers(manager, handler, disk_store, redis_store, disk_handler, redis_handler)
+
+
 def make_lower_tiers(
     cpu: CPUOffloadingManager,
     host_pool: HostPool,
@@ -113,86 +193,26 @@ def make_lower_tiers(
     num_threads: int = 2,
     direct_io: bool | None = None,
 ) -> LowerTiers:
-    """Disk (if ``disk_dir``) then remote (if ``redis_url``) tiers under ``cpu``.
+    """Deprecated keyword form of ``make_tiers``.
 
-    ``disk_blocks`` or ``disk_bytes`` (e.g. "20GiB") sizes the disk tier in
-    CPU slots. ``hash_fn`` and ``hash_seed`` name the block hash function
-    and its chain seed (None: random per process); ``model_id`` is the
-    model's identity string (non-empty); ``kv_quant`` names a KV
-    quantisation ("none"); ``tp_rank``/``tp_size`` the tensor-parallel
-    position. All of them go into the tiers' fingerprint (module docstring).
+    Kept only until every caller passes a ``TierConfig``; new code calls ``make_tiers``.
     """
-    if not disk_dir and not redis_url:
-        raise ValueError("make_lower_tiers needs a disk_dir, a redis_url, or both")
-    if not model_id:
-        raise ValueError("make_lower_tiers needs the model's identity (model_id)")
-    slot_bytes = host_pool.slot_bytes
-    fingerprint = tier_fingerprint(
-        layout,
-        host_pool.block_size_factor,
-        model_id=model_id,
-        hash_fn=hash_fn,
-        hash_seed=hash_seed,
-        kv_quant=kv_quant,
-        tp_rank=tp_rank,
-        tp_size=tp_size,
+    identity = TierIdentity(model_id, hash_fn, hash_seed, kv_quant, tp_rank, tp_size)
+    tier_config = TierConfig.from_mapping(
+        {
+            "disk_dir": None if disk_dir is None else os.fspath(disk_dir),
+            "disk_blocks": disk_blocks,
+            "disk_bytes": disk_bytes,
+            "redis_url": redis_url,
+            "redis_namespace": redis_namespace,
+            "redis_ttl_s": redis_ttl_s,
+            "redis_timeout_s": redis_timeout_s,
+            "write_mode": write_mode,
+            "enable_events": enable_events,
+            "num_threads": num_threads,
+            "direct_io": direct_io,
+        }
     )
-    lower: list[LowerTierManager] = []
-    disk_store = redis_store = None
-    disk_handler = redis_handler = None
-    try:
-        if disk_dir:
-            if disk_blocks is None:
-                if disk_bytes is None:
-                    raise ValueError("the disk tier needs disk_blocks or disk_bytes")
-                disk_blocks = parse_bytes(disk_bytes) // slot_bytes
-                if disk_blocks < 1:
-                    raise ValueError(
-                        f"disk tier budget {disk_bytes!r} is smaller than one block "
-                        f"({slot_bytes} bytes)"
-                    )
-            disk_store = DiskBlockStore(
-                disk_dir,
-                slot_bytes,
-                disk_blocks,
-                fingerprint,
-                hash_fn=hash_fn,
-                direct_io=direct_io,
-            )
-            restored = [(OffloadKey(e.key), e.slot) for e in disk_store.entries()]
-            lower.append(
-                DiskOffloadingManager(
-                    disk_blocks, enable_events, restored, clear_store=disk_store.clear
-                )
-            )
-            disk_handler = DiskTransferHandler(disk_store, host_pool, num_threads)
-        if redis_url:
-            redis_store = RedisBlockStore(
-                redis_url,
-                redis_namespace,
-                slot_bytes,
-                ttl_s=redis_ttl_s,
-                timeout_s=redis_timeout_s,
-                geometry_fingerprint=fingerprint,
-                hash_fn=hash_fn,
-            )
-            lower.append(
-                RemoteOffloadingManager(
-                    redis_store.contains_many,
-                    lambda: redis_store.available,  # type: ignore[union-attr]
-                    enable_events,
-                )
-            )
-            redis_handler = RedisTransferHandler(redis_store, host_pool, num_threads)
-        manager = TieredOffloadingManager(cpu, lower, write_mode=write_mode)
-        cpu_gpu = make_cpu_gpu_handler(gpu_tensors, layout, host_pool, num_threads)
-        handler = TieredTransferHandler(cpu_gpu, disk_handler, redis_handler, 2 * num_threads)
-    except BaseException:
-        for h in (disk_handler, redis_handler):
-            if h is not None:
-                h.close()
-        for s in (disk_store, redis_store):
-            if s is not None:
-                s.close()
-        raise
-    return LowerTiers(manager, handler, disk_store, redis_store, disk_handler, redis_handler)
+    if tier_config is None:
+        raise TierConfigError("make_lower_tiers needs a disk_dir, a redis_url, or both")
+    return make_tiers(cpu, host_pool, gpu_tensors, layout, tier_config, identity)
