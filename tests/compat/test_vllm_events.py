@@ -14,6 +14,7 @@ from tests.vllm_required import need_vllm
 
 need_vllm()
 
+import hashlib  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 
@@ -39,8 +40,10 @@ GUARD_S = 30.0
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 VLLM_DECODER = msgspec.msgpack.Decoder(type=vk.KVEventBatch)
 
-H = [bytes([i]) * 32 for i in range(1, 6)]
-PARENT = b"\xee" * 32
+# Real digests: each half of a hash differs from the other, so an encoder that
+# published the high 64 bits instead of vLLM's low 64 would not pass.
+H = [hashlib.sha256(f"block {i}".encode()).digest() for i in range(1, 6)]
+PARENT = hashlib.sha256(b"parent").digest()
 
 
 def _ours() -> list[list]:
@@ -93,6 +96,12 @@ def _vllm_equivalent(events: list) -> list:
         else:
             out.append(vk.AllBlocksCleared())
     return out
+
+
+def test_test_hashes_tell_the_two_halves_apart() -> None:
+    for h in [*H, PARENT]:
+        assert h[:8] != h[-8:]
+        assert maybe_convert_block_hash(h) == int.from_bytes(h[-8:], "big")
 
 
 def test_payloads_are_byte_identical_to_vllm_structs() -> None:
