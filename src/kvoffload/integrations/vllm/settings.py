@@ -5,7 +5,9 @@ kvoffload's keys:
 - ``cpu_bytes``: the CPU tier's budget, an int or a size such as "64GiB";
 - ``cache_policy``: the CPU tier's eviction policy (kvoffload's names);
 - ``disk_dir`` / ``disk_bytes``: a disk tier below the CPU tier;
-- ``redis_url``: a shared Redis/Valkey tier below that;
+- ``redis_url``: a shared Redis/Valkey tier below that (what ``--redis-url``
+  takes: ``redis://``, ``rediss://``, ``valkey://``, ``unix://``,
+  ``redis+cluster://host:port,host:port``);
 - ``write_through``: write every stored block down to the lower tiers at
   once (default: only blocks the CPU tier evicts, "write back").
 
@@ -15,7 +17,10 @@ vLLM's own keys keep vLLM's meaning: ``cpu_bytes_to_use`` (= ``cpu_bytes``),
 ``store_threshold`` and ``max_tracker_size`` (store a block only once it has
 been offered that many times), and the connector's ``spec_name``,
 ``spec_module_path``, ``offload_prompt_only``, ``self_describing_kv_events``,
-``sync_load_budget_bytes``. Anything else is an error naming the key, raised
+``sync_load_budget_bytes``, and with lower tiers vLLM's tiering keys
+``tier_poll_interval_s`` and ``cache_policy_module_path`` (the CPU tier's
+``eviction_policy`` is then that module's vLLM ``CachePolicy`` class, as
+vLLM's factory resolves it). Anything else is an error naming the key, raised
 before the engine serves: a typo must not silently run without offloading.
 """
 
@@ -27,6 +32,7 @@ from typing import Any
 
 from kvoffload.offload.cpu_manager import DEFAULT_CACHE_POLICY
 from kvoffload.offload.policies import policy_names
+from kvoffload.tiers.config import TierConfig, TierConfigError, parse_redis_url
 from kvoffload.transfer.sizing import parse_bytes
 
 KVOFFLOAD_KEYS: tuple[str, ...] = (
@@ -51,12 +57,14 @@ VLLM_KEYS: tuple[str, ...] = (
     "self_describing_kv_events",
     "sync_load_budget_bytes",
     "canonical_layout",
+    "tier_poll_interval_s",
+    "cache_policy_module_path",
 )
 #: vLLM CPU-spec keys kvoffload cannot honour; named in the error instead of ignored.
-UNSUPPORTED_KEYS: dict[str, str] = {
-    "cache_policy_module_path": "custom vLLM policy modules are not supported; set "
-    "cache_policy to one of kvoffload's policies",
-}
+UNSUPPORTED_KEYS: dict[str, str] = {}
+
+#: ``secondary_tiers`` entries name kvoffload's tier classes in this module (vLLM imports it).
+TIERS_MODULE = "kvoffload.integrations.vllm"
 
 
 class KVOffloadConfigError(ValueError):
@@ -75,10 +83,54 @@ class KVOffloadSettings:
     write_through: bool = False
     store_threshold: int = 0
     max_tracker_size: int = 64_000
+    #: vLLM's tiering: pause between its tier-poll rounds (0.33; None: vLLM's default).
+    tier_poll_interval_s: float | None = None
+    #: A vLLM ``CachePolicy`` module for the CPU tier (lower tiers only) and its class name.
+    cache_policy_module_path: str | None = None
+    vllm_eviction_policy: str | None = None
 
     @property
     def has_lower_tiers(self) -> bool:
         return self.disk_dir is not None or self.redis_url is not None
+
+    def secondary_tiers(self) -> list[dict[str, Any]]:
+        """The lower tiers as vLLM ``secondary_tiers`` entries: disk first, then Redis."""
+        out: list[dict[str, Any]] = []
+        mode = "write_through" if self.write_through else "write_back"
+        if self.disk_dir is not None:
+            out.append(
+                {
+                    "type": "KVOffloadDiskTier",
+                    "module_path": TIERS_MODULE,
+                    "disk_dir": self.disk_dir,
+                    "disk_bytes": self.disk_bytes,
+                    "write_mode": mode,
+                }
+            )
+        if self.redis_url is not None:
+            out.append(
+                {
+                    "type": "KVOffloadRedisTier",
+                    "module_path": TIERS_MODULE,
+                    "redis_url": self.redis_url,
+                    "write_mode": mode,
+                }
+            )
+        return out
+
+    def tier_config(self, *, enable_events: bool = True, num_threads: int = 2) -> TierConfig | None:
+        """The lower tiers these settings name, as one ``TierConfig`` (None: CPU tier only)."""
+        if not self.has_lower_tiers:
+            return None
+        return TierConfig(
+            disk_dir=self.disk_dir,
+            disk_bytes=self.disk_bytes,
+            redis_url=self.redis_url,
+            write_mode="write_through" if self.write_through else "write_back",
+            enable_events=enable_events,
+            num_threads=num_threads,
+            where="kv_connector_extra_config",
+        )
 
 
 def _fail(key: str, why: str) -> KVOffloadConfigError:
@@ -142,6 +194,23 @@ def parse_settings(config: Mapping[str, Any]) -> KVOffloadSettings:
     cpu_bytes = _size(*cpu)
     policy = _one_of(config, "cache_policy", "eviction_policy")
     cache_policy = DEFAULT_CACHE_POLICY
+    module_path = config.get("cache_policy_module_path")
+    vllm_policy = None
+    if module_path is not None:
+        if not isinstance(module_path, str) or not module_path.strip():
+            raise _fail("cache_policy_module_path", f"expected a module path, got {module_path!r}")
+        if "disk_dir" not in config and "redis_url" not in config:
+            raise _fail(
+                "cache_policy_module_path",
+                "vLLM policy modules drive vLLM's CPU tier, used with disk_dir or redis_url; "
+                "without them set cache_policy to one of kvoffload's policies",
+            )
+        if policy is None or policy[0] != "eviction_policy" or not isinstance(policy[1], str):
+            raise _fail(
+                "cache_policy_module_path", "needs eviction_policy: the policy's class name"
+            )
+        vllm_policy = policy[1]
+        policy = None
     if policy is not None:
         key, value = policy
         names = policy_names()
@@ -159,11 +228,12 @@ def parse_settings(config: Mapping[str, Any]) -> KVOffloadSettings:
     elif disk_dir is not None:
         raise _fail("disk_bytes", 'missing: the disk tier\'s budget, e.g. "500GiB"')
     redis_url = config.get("redis_url")
-    if redis_url is not None and (
-        not isinstance(redis_url, str)
-        or not redis_url.startswith(("redis://", "rediss://", "unix://"))
-    ):
-        raise _fail("redis_url", f"expected redis://host:port[/db], got {redis_url!r}")
+    if redis_url is not None:
+        # What the CLI's --redis-url accepts: valkey://, rediss://, unix://, cluster seed lists.
+        try:
+            redis_url = parse_redis_url(redis_url, where="kv_connector_extra_config")
+        except TierConfigError as exc:
+            raise KVOffloadConfigError(str(exc)) from None
     write_through = _bool("write_through", config.get("write_through", False))
     if write_through and disk_dir is None and redis_url is None:
         raise _fail("write_through", "needs a lower tier (disk_dir or redis_url)")
@@ -181,6 +251,12 @@ def parse_settings(config: Mapping[str, Any]) -> KVOffloadSettings:
     max_tracker_size = _nonneg_int("max_tracker_size", config.get("max_tracker_size", 64_000))
     if max_tracker_size == 0:
         raise _fail("max_tracker_size", "must be positive")
+    poll = config.get("tier_poll_interval_s")
+    if poll is not None:
+        try:
+            poll = float(poll)
+        except (TypeError, ValueError):
+            raise _fail("tier_poll_interval_s", f"expected seconds, got {poll!r}") from None
     return KVOffloadSettings(
         cpu_bytes=cpu_bytes,
         cache_policy=cache_policy,
@@ -190,4 +266,7 @@ def parse_settings(config: Mapping[str, Any]) -> KVOffloadSettings:
         write_through=write_through,
         store_threshold=store_threshold,
         max_tracker_size=max_tracker_size,
+        tier_poll_interval_s=poll,
+        cache_policy_module_path=module_path,
+        vllm_eviction_policy=vllm_policy,
     )
