@@ -146,15 +146,22 @@ def test_session_hint_from_kv_transfer_params(tmp_path: Path) -> None:
 
 
 def _waiting_request_hits(tmp_path: Path, policy: str) -> int:
-    """A's blocks sit in a 8-block CPU tier; a queued re-request of A waits behind a flood."""
-    rig = VLLMRig.build(
-        tmp_path, extra_config={"cpu_bytes": 8 * 4096, "cache_policy": policy}
-    )
+    """A's 5 blocks sit in a 20-block CPU tier; a queued re-request of A waits behind a flood.
+
+    Each flood request stores 5 blocks: under LRU the fourth one evicts A; a
+    policy that protects queued keys evicts older flood blocks instead. (Stores
+    in flight are not evictable: the tier is large enough that two requests'
+    stores in flight still leave unprotected blocks to evict.)
+    """
+    rig = VLLMRig.build(tmp_path, extra_config={"cpu_bytes": 20 * 4096, "cache_policy": policy})
     add(rig, "first", prompt(0))
     rig.run()
     for i in range(1, 5):
         add(rig, f"flood{i}", prompt(i))
     add(rig, "again", [*prompt(0), 5, 6])  # waits behind the flood (FCFS, 12 GPU blocks)
+    while rig.scheduler.has_requests():
+        rig.step()
+        assert rig.kv_worker.wait_all(timeout=60)  # stores settle every step
     rig.run()
     assert rig.mismatches == []
     hits = rig.first_computed["again"]

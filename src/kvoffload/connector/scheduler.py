@@ -209,7 +209,7 @@ class OffloadingConnectorScheduler:
         if self.store_mode != "eager":
             return
         f = self.factor
-        full = min(num_computed_tokens // self.block_size, len(block_hashes)) // f
+        full = min(num_computed_tokens // self.block_size + 1, len(block_hashes)) // f
         start = self._next_store_block.get(req_id, 0)
         if full <= start:
             return
@@ -323,6 +323,26 @@ class OffloadingConnectorScheduler:
     def request_preempted(self, req_id: str) -> None:
         """Preempted requests restart from their prefix hit; same as finished here."""
         self.request_finished(req_id)
+
+    # -- queue and session hints ----------------------------------------------
+
+    def offload_keys(self, block_hashes: Sequence[BlockHash]) -> list[OffloadKey]:
+        """The keys of every full offloaded block of ``block_hashes``, head first."""
+        return [self._key(block_hashes, i) for i in range(len(block_hashes) // self.factor)]
+
+    def request_queued(self, req_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        """The request waits in the engine's queue: announce its full blocks to the tier."""
+        self.manager.hint_queued(req_id, self.offload_keys(block_hashes))
+
+    def request_dequeued(self, req_id: str) -> None:
+        """The request left the queue (scheduled, aborted or finished)."""
+        self.manager.hint_dequeued(req_id)
+
+    def request_continues(self, block_hashes: Sequence[BlockHash]) -> None:
+        """A finished request's conversation will continue (session hint)."""
+        keys = self.offload_keys(block_hashes)
+        if keys:
+            self.manager.hint_continues(keys)
 
     # -- reset ----------------------------------------------------------------
 

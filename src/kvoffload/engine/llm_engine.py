@@ -98,6 +98,7 @@ class LLMEngine:
         prompt_token_ids: Sequence[int],
         sampling: SamplingParams | None = None,
         req_id: str | None = None,
+        continues: bool = False,
     ) -> str:
         vocab = self.runner.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
@@ -125,6 +126,7 @@ class LLMEngine:
             self.config.block_size,
             self.hash_fn,
             parent_hash=self.none_hash,
+            continues=continues,
         )
         self._requests[req_id] = req
         self.scheduler.add_request(req)

@@ -50,6 +50,7 @@ class Request:
     cache_salt: str | None = None
     parent_hash: bytes | None = None  # chain seed; None = the module NONE_HASH
     arrival_time: float = field(default_factory=time.perf_counter)
+    continues: bool = False  # session hint: the conversation goes on after this request
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

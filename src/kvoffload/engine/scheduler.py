@@ -9,6 +9,12 @@ front of the waiting queue (its output so far is kept and becomes prompt).
 A new request's prefix comes first from the GPU prefix cache, then from the
 offload tier through the connector; a tier hit parks the request in
 ``WAITING_FOR_LOAD`` until the worker has copied the blocks in.
+
+Queue hints: a request's full blocks are announced to the offload tier
+(``hint_queued``) while it waits without GPU blocks: on arrival, when
+preempted, when its blocks are given back; ``hint_dequeued`` when it is
+admitted, aborted or finished. A finished request with ``continues`` set
+announces its blocks with ``hint_continues`` (a session hint).
 """
 
 from __future__ import annotations
@@ -50,9 +56,22 @@ class Scheduler:
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._hinted: set[str] = set()  # requests announced with hint_queued, not yet dequeued
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
+        self._hint_queued(request)
+
+    def _hint_queued(self, req: Request) -> None:
+        if self.connector is not None:
+            self.connector.request_queued(req.req_id, req.block_hashes)
+            self._hinted.add(req.req_id)
+
+    def _hint_dequeued(self, req: Request) -> None:
+        if req.req_id in self._hinted:
+            self._hinted.discard(req.req_id)
+            assert self.connector is not None
+            self.connector.request_dequeued(req.req_id)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
@@ -69,6 +88,7 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
+        self._hint_queued(victim)
         out.preempted.append(victim)
 
     def schedule(self) -> SchedulerOutput:
@@ -116,6 +136,7 @@ class Scheduler:
             if not self._admit(req, budget, out):
                 self.waiting.appendleft(req)
                 break
+            self._hint_dequeued(req)
             if req.status is RequestStatus.RUNNING:
                 budget -= out.scheduled[-1][1]
         return budget
@@ -128,6 +149,7 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 if self.connector is not None:
                     self.connector.request_preempted(req.req_id)
+                self._hint_queued(req)
                 released = True
         return released
 
@@ -196,6 +218,9 @@ class Scheduler:
         if req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
+        self._hint_dequeued(req)
         if self.connector is not None:
             self.connector.request_finished(req.req_id)
+            if req.continues and status is RequestStatus.FINISHED:
+                self.connector.request_continues(req.block_hashes)
         req.status = status
