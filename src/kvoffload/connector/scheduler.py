@@ -209,7 +209,7 @@ class OffloadingConnectorScheduler:
         if self.store_mode != "eager":
             return
         f = self.factor
-        full = min(num_computed_tokens // self.block_size + 1, len(block_hashes)) // f
+        full = min(num_computed_tokens // self.block_size, len(block_hashes)) // f
         start = self._next_store_block.get(req_id, 0)
         if full <= start:
             return
