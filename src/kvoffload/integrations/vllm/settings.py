@@ -95,8 +95,9 @@ class KVOffloadSettings:
 
     def secondary_tiers(self) -> list[dict[str, Any]]:
         """The lower tiers as vLLM ``secondary_tiers`` entries: disk first, then Redis."""
+        # vLLM's tiering writes every block down as it reaches the CPU tier, so the
+        # tiers are write-through whatever ``write_through`` says (docs/vllm.md).
         out: list[dict[str, Any]] = []
-        mode = "write_through" if self.write_through else "write_back"
         if self.disk_dir is not None:
             out.append(
                 {
@@ -104,7 +105,6 @@ class KVOffloadSettings:
                     "module_path": TIERS_MODULE,
                     "disk_dir": self.disk_dir,
                     "disk_bytes": self.disk_bytes,
-                    "write_mode": mode,
                 }
             )
         if self.redis_url is not None:
@@ -113,7 +113,6 @@ class KVOffloadSettings:
                     "type": "KVOffloadRedisTier",
                     "module_path": TIERS_MODULE,
                     "redis_url": self.redis_url,
-                    "write_mode": mode,
                 }
             )
         return out
