@@ -1,0 +1,98 @@
+"""A tiny random Llama that a real vLLM engine loads offline, on a CPU.
+
+2 layers, hidden 128, 4 attention heads over 2 KV heads of 32 (vLLM's CPU
+attention needs a head size of at least 32), vocabulary 2048 with a
+word-level tokenizer (one word per token id, so any token list round-trips).
+Weights are drawn from a fixed seed with a wide initialisation so that each
+next-token distribution has a clear winner: greedy outputs then depend on
+the KV they attend to (a wrong KV block shows as different tokens) rather
+than on float rounding between batch shapes.
+
+Needs ``transformers`` and ``tokenizers`` (vLLM depends on both).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+VOCAB_SIZE = 2048
+#: Token ids below this are special (unk, bos, eos); prompts use the rest.
+FIRST_WORD_ID = 3
+DEFAULT_SEED = 0
+#: Files that a complete model directory holds (config written last).
+MARKER = "kvoffload-tiny-llama.json"
+
+
+def model_is_complete(path: Path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def make_tiny_llama(path: str | Path, seed: int = DEFAULT_SEED) -> Path:
+    """Write the model and tokenizer to ``path`` (idempotent: a finished directory is kept).
+
+    Two seeds give two different models (different weights, same shapes).
+    """
+    out = Path(path)
+    if model_is_complete(out):
+        return out
+    import torch
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        initializer_range=0.25,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, config.initializer_range, generator=generator)
+    model.save_pretrained(out, safe_serialization=True)
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    words.update({f"w{i}": i for i in range(FIRST_WORD_ID, VOCAB_SIZE)})
+    tokenizer = Tokenizer(WordLevel(vocab=words, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        model_max_length=4096,
+    )
+    fast.save_pretrained(out)
+    (out / MARKER).write_text(json.dumps({"seed": seed, "vocab_size": VOCAB_SIZE}) + "\n")
+    return out
+
+
+def main() -> int:  # pragma: no cover - a convenience for the command line
+    import argparse
+
+    parser = argparse.ArgumentParser(description="write the tiny random Llama")
+    parser.add_argument("path")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    args = parser.parse_args()
+    print(make_tiny_llama(args.path, args.seed))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
