@@ -13,7 +13,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvoffload.offload import CPUOffloadingManager, GPULoadStoreSpec, OffloadKey, make_offload_key
+from kvoffload.offload import (
+    CPUOffloadingManager,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadKey,
+    make_offload_key,
+)
 from kvoffload.tiers.config import TierConfig, TierIdentity
 from kvoffload.tiers.stack import LowerTiers, make_tiers
 from kvoffload.transfer.host_pool import HostPool
@@ -117,14 +123,23 @@ class Rig:
         n = self.m.lookup(keys)
         if n == 0:
             return 0, False
-        spec = self.m.prepare_load(keys[:n])
-        dst = list(range(first_gpu, first_gpu + n))
+        return n, self.finish_load(keys[:n], first_gpu)
+
+    def finish_load(self, keys: list[OffloadKey], first_gpu: int = 40) -> bool:
+        """``prepare_load`` the keys already looked up, run the job, settle it; checks bytes."""
+        spec = self.m.prepare_load(keys)
+        ok = self.run_load(spec, keys, first_gpu)
+        self.m.complete_load(keys, success=ok)
+        return ok
+
+    def run_load(self, spec: LoadStoreSpec, keys: list[OffloadKey], first_gpu: int = 40) -> bool:
+        """Run a prepared load into fresh GPU blocks; checks the bytes of a successful one."""
+        dst = list(range(first_gpu, first_gpu + len(keys)))
         ok = self._run(TransferSpec(spec, GPULoadStoreSpec(dst)), store=False)
         if ok:
-            for k, b in zip(keys[:n], dst):
+            for k, b in zip(keys, dst):
                 assert self.block_bytes(b) == self.truth[k], f"wrong KV loaded for {k.hex()}"
-        self.m.complete_load(keys[:n], success=ok)
-        return n, ok
+        return ok
 
     def close(self) -> None:
         self.worker.close()

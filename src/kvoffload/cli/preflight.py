@@ -51,8 +51,10 @@ def check_redis_reachable(url: str, timeout_s: float = 3.0) -> None:
 
     Unreachable, refusing the credentials, or without the database asked for:
     each is a mistake in the command line, so it is refused at start-up (an
-    outage later in a run only costs misses). Cluster URLs are left to the
-    cluster client.
+    outage later in a run only costs misses). A server that accepts the
+    connection and does not answer in time is not refused: the tier starts in
+    an outage, with one warning, and recovers when the server answers.
+    Cluster URLs are left to the cluster client.
     """
     if "+cluster" in url.split("://", 1)[0]:
         return
@@ -79,6 +81,10 @@ def check_redis_reachable(url: str, timeout_s: float = 3.0) -> None:
                 "(redis://:PASSWORD@host:port/db)"
             ) from None
         raise ValueError(f"Redis at {shown} rejected the credentials ({exc})") from None
+    except redis.TimeoutError:
+        # Accepted the connection but does not answer (overloaded, paused, a proxy
+        # without a backend): the tier starts in an outage and warns once itself.
+        return
     except redis.ConnectionError as exc:
         raise ValueError(f"cannot reach Redis at {shown} ({exc})") from None
     except redis.ResponseError as exc:

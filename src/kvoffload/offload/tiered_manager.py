@@ -11,7 +11,10 @@ reached through them:
   get fresh CPU slots (a CPU store in flight). The spec handed to the worker
   is a ``TieredLoadStoreSpec``: promotions (lower -> CPU, required) first,
   then the normal CPU -> GPU copy. A load with CPU hits only stays a plain
-  ``CPULoadStoreSpec``.
+  ``CPULoadStoreSpec``. A key that has left every tier since its lookup (a
+  Redis evicting under ``maxmemory``, a TTL, another engine's reset) makes
+  the load a failed job, never an error: the engine recomputes, as it does
+  when a lower-tier block turns out unreadable during the copy.
 - store: the CPU tier takes the blocks. In ``write_back`` mode the blocks it
   evicts to make room are written down to the first lower tier (whose own
   victims cascade to the next one); in ``write_through`` mode every stored
@@ -73,6 +76,8 @@ class TieredStats:
 
     ``load_blocks``: handed out by ``prepare_load``; ``loaded_blocks``: of
     those, the ones whose load did not report failure (the tier hits).
+    ``vanished_loads``: loads failed because a block looked up had left every
+    tier by ``prepare_load`` (the engine recomputes those blocks).
     """
 
     load_blocks: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -81,6 +86,7 @@ class TieredStats:
     promotions_discarded: int = 0
     promotions_failed: int = 0
     no_room_loads: int = 0
+    vanished_loads: int = 0
     write_downs: int = 0
     write_throughs: int = 0
 
@@ -241,12 +247,17 @@ class TieredOffloadingManager(OffloadingManager):
             self.stats.load_blocks[self.cpu.medium] += len(keys)
             return spec
         where = self._classify(keys)
-        for k, t in zip(keys, where):
-            if t == _NONE:
-                raise ValueError(f"cannot load key {k.hex()}: no tier has it ready")
         cpu_keys = [k for k, t in zip(keys, where) if t == _CPU]
         promo = [k for k, t in zip(keys, where) if t != _CPU]
         record = _PendingLoad(cpu_keys, [], [], [])
+        vanished = sum(1 for t in where if t == _NONE)
+        if vanished:
+            # Evicted since lookup (a Redis under maxmemory, a TTL, another engine's
+            # reset): the load fails and the engine recomputes, as for a bad block.
+            self.stats.vanished_loads += 1
+            return self._failed_load(
+                keys, record, f"{vanished} of {len(keys)} blocks left every tier since lookup"
+            )
         if len(promo) > self._promotion_room(cpu_keys):
             return self._no_room(keys, record)
         slot_of: dict[OffloadKey, int] = {}
@@ -285,14 +296,17 @@ class TieredOffloadingManager(OffloadingManager):
         return TieredLoadStoreSpec(CPULoadStoreSpec([slot_of[k] for k in keys]), before)
 
     def _no_room(self, keys: list[OffloadKey], record: _PendingLoad) -> TieredLoadStoreSpec:
+        self.stats.no_room_loads += 1
+        return self._failed_load(keys, record, "no CPU room to promote lower-tier blocks")
+
+    def _failed_load(
+        self, keys: list[OffloadKey], record: _PendingLoad, why: str
+    ) -> TieredLoadStoreSpec:
         """A load that must fail: nothing stays pinned, ``complete_load`` just settles it."""
         record.error = True
         record.cpu_keys = []
-        self.stats.no_room_loads += 1
         self._loads.setdefault(tuple(keys), deque()).append(record)
-        return TieredLoadStoreSpec(
-            CPULoadStoreSpec([]), error="no CPU room to promote lower-tier blocks"
-        )
+        return TieredLoadStoreSpec(CPULoadStoreSpec([]), error=why)
 
     def _unpin(self, record: _PendingLoad) -> None:
         if record.cpu_keys:
