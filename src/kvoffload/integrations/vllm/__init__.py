@@ -29,6 +29,8 @@ if TYPE_CHECKING:
         parse_settings,
     )
     from kvoffload.integrations.vllm.spec import KVOffloadSpec
+    from kvoffload.integrations.vllm.tiers.disk import KVOffloadDiskTier
+    from kvoffload.integrations.vllm.tiers.redis import KVOffloadRedisTier
     from kvoffload.integrations.vllm.worker import KVOffloadWorker
 
 _WHERE: dict[str, str] = {
@@ -39,14 +41,18 @@ _WHERE: dict[str, str] = {
     "KVOffloadSettings": "settings",
     "parse_settings": "settings",
     "KVOffloadSpec": "spec",
+    "KVOffloadDiskTier": "tiers.disk",
+    "KVOffloadRedisTier": "tiers.redis",
     "KVOffloadWorker": "worker",
 }
 
 __all__ = [
     "KVOffloadConfigError",
     "KVOffloadConnector",
+    "KVOffloadDiskTier",
     "KVOffloadJobSpec",
     "KVOffloadManager",
+    "KVOffloadRedisTier",
     "KVOffloadSettings",
     "KVOffloadSpec",
     "KVOffloadWorker",

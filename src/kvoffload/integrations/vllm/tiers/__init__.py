@@ -1,0 +1,32 @@
+"""kvoffload's disk and Redis tiers as vLLM secondary tiers (``TieringOffloadingSpec``).
+
+- ``KVOffloadDiskTier`` (``disk``): bounded, checksummed, evicting disk tier;
+- ``KVOffloadRedisTier`` (``redis``): a shared Redis / Valkey (or Redis
+  Cluster) tier with non-blocking pipelined presence checks and a breaker;
+- ``base``: what both share (I/O threads, job results, events, metrics,
+  the tier identity).
+
+Names resolve on first use: the Redis tier needs redis-py, the disk tier does not.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvoffload.integrations.vllm.tiers.disk import KVOffloadDiskTier
+    from kvoffload.integrations.vllm.tiers.redis import KVOffloadRedisTier
+
+_WHERE = {"KVOffloadDiskTier": "disk", "KVOffloadRedisTier": "redis"}
+
+__all__ = ["KVOffloadDiskTier", "KVOffloadRedisTier"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
