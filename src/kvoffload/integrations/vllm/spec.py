@@ -299,5 +299,4 @@ def cpu_tier_policy(settings: KVOffloadSettings) -> tuple[str, str | None]:
             settings.cache_policy,
         )
         return "lru", None
-    name = policies.vllm_policy_name(settings.cache_policy)
-    return name, policies.__name__
+    return policies.policy_class_name(settings.cache_policy), policies.__name__

@@ -1,0 +1,464 @@
+"""vLLM's real scheduler in this process, its worker-side connector in N worker processes (TP=N).
+
+Import only from test modules that called ``need_vllm()`` first.
+
+The layout of vLLM's multiprocess executor, played by hand: the scheduler
+(with the scheduler-side connector, built by vLLM's factory from the public
+names) lives here; each rank is a spawned process that builds the
+worker-side connector for its rank from the same config, over its own CPU
+"GPU" KV tensors (vLLM's ``allocate_kv_cache``, each rank holding its share of
+the KV heads). Nothing is shared between the processes but what vLLM itself
+shares: the pickled connector metadata each step, the workers' connector
+outputs (aggregated with vLLM's ``KVOutputAggregator``) and, for the lower
+tiers, vLLM's ``/dev/shm`` offload region.
+
+Each rank "computes" a block by writing a pattern derived from the block's
+hash and the rank into its KV bytes, and checks every block a finished load
+wrote against that pattern: ``bytes_verified[rank]`` counts loaded bytes equal
+to what that rank wrote.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import uuid
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import ModelRunnerOutput
+
+from tests.integrations.vllm_rig import (
+    BLOCK_SIZE,
+    NUM_KV_HEADS,
+    pattern,
+    write_tiny_llama,
+)
+
+#: Generous: on a loaded 2-core machine a spawned worker imports vLLM in minutes.
+STEP_TIMEOUT_S = 600.0
+
+
+def _tp_config(
+    model_dir: str,
+    num_gpu_blocks: int,
+    extra_config: dict[str, Any],
+    connector: dict[str, Any] | None,
+    engine_id: str,
+    tp: int,
+    rank: int,
+    recompute_failed_loads: bool,
+) -> Any:
+    from tests.integrations.vllm_rig import vllm_config
+
+    config = vllm_config(
+        Path(model_dir),
+        num_gpu_blocks,
+        extra_config,
+        connector=connector,
+        recompute_failed_loads=recompute_failed_loads,
+    )
+    config.parallel_config.tensor_parallel_size = tp
+    config.parallel_config.world_size = tp
+    config.parallel_config.rank = rank
+    assert config.kv_transfer_config is not None
+    config.kv_transfer_config.engine_id = engine_id
+    return config
+
+
+def _kv_cache_config(num_blocks: int, tp: int) -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+
+    from tests.integrations.vllm_rig import HEAD_SIZE, NUM_LAYERS
+
+    spec = FullAttentionSpec(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=NUM_KV_HEADS // tp,
+        head_size=HEAD_SIZE,
+        dtype=torch.float16,
+    )
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+    page = spec.page_size_bytes
+    tensor = KVCacheTensor(
+        size=num_blocks * NUM_LAYERS * page,
+        layers=names,
+        layer_stride=page,
+        block_stride=NUM_LAYERS * page,
+    )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[tensor],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+    )
+
+
+# -- the worker process ---------------------------------------------------------------
+
+
+class _Rank:
+    """One rank's worker-side connector and fake model runner (runs in the worker process)."""
+
+    def __init__(self, rank: int, build: dict[str, Any]) -> None:
+        import torch
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        self.rank = rank
+        config = _tp_config(rank=rank, **build)
+        kcc = _kv_cache_config(build["num_gpu_blocks"], build["tp"])
+        with set_current_vllm_config(config):
+            self.connector = KVConnectorFactory.create_connector(
+                config, KVConnectorRole.WORKER, kcc
+            )
+            kv_caches = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC)
+            self.connector.register_kv_caches(kv_caches)
+        self.worker = self.connector.connector_worker.worker
+        self.planes = self.worker.host_pool.layout.block_planes(self.worker.gpu_tensors)
+        self.pending: dict[int, tuple[list[int], list[bytes]]] = {}
+        self.bytes_verified = 0
+        self.blocks_verified = 0
+        self.mismatches: list[int] = []
+
+    def _pattern(self, block_hash: bytes, plane: int, nbytes: int) -> np.ndarray:
+        return pattern(block_hash, plane + 1000 * self.rank, nbytes).view(np.uint8)
+
+    def _write(self, block_id: int, block_hash: bytes) -> None:
+        import torch
+
+        for p, plane in enumerate(self.planes):
+            row = plane[block_id]
+            row.copy_(torch.from_numpy(self._pattern(block_hash, p, row.numel())))
+
+    def _check(self, block_id: int, block_hash: bytes) -> None:
+        for p, plane in enumerate(self.planes):
+            row = plane[block_id]
+            if not np.array_equal(row.numpy(), self._pattern(block_hash, p, row.numel())):
+                self.mismatches.append(block_id)
+                return
+            self.bytes_verified += row.numel()
+        self.blocks_verified += 1
+
+    def _verify(self, job_ids: list[int]) -> None:
+        for job_id in job_ids:
+            load = self.pending.pop(job_id, None)
+            if load is None or job_id in self.worker.failed_job_ids:
+                continue
+            for block_id, block_hash in zip(*load):
+                self._check(block_id, block_hash)
+
+    def step(
+        self,
+        meta: Any,
+        loads: dict[int, tuple[list[int], list[bytes], bool]],
+        writes: list[tuple[int, bytes]],
+        finished_req_ids: set[str],
+    ) -> Any:
+        from vllm.v1.outputs import KVConnectorOutput
+
+        wc = self.connector
+        wc.bind_connector_metadata(meta)
+        wc.handle_preemptions(meta)
+        for job_id, (ids, hashes, _sync) in loads.items():
+            self.pending[job_id] = (ids, hashes)
+        wc.start_load_kv(None)
+        self._verify([j for j, (_i, _h, sync) in loads.items() if sync])
+        for block_id, block_hash in writes:
+            self._write(block_id, block_hash)
+        wc.wait_for_save()
+        before = set(self.pending)
+        finished_sending, finished_recving = wc.get_finished(finished_req_ids)
+        in_flight = self.worker.in_flight_job_ids()
+        self._verify([j for j in before if j not in in_flight])
+        output = KVConnectorOutput(
+            finished_sending=finished_sending,
+            finished_recving=finished_recving,
+            invalid_block_ids=wc.get_block_ids_with_load_errors(),
+            kv_connector_worker_meta=wc.build_connector_worker_meta(),
+        )
+        wc.clear_connector_metadata()
+        return output
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "bytes_verified": self.bytes_verified,
+            "blocks_verified": self.blocks_verified,
+            "mismatches": list(self.mismatches),
+            "in_flight": self.worker.num_in_flight(),
+            "failed_jobs": self.worker.failed_jobs,
+        }
+
+
+def _worker_main(rank: int, conn: Connection) -> None:
+    """Serve commands until "exit": build an engine's rank, step it, report, shut it down."""
+    import kvoffload.integrations.vllm.connector  # noqa: F401 - vLLM imported before "ready"
+
+    conn.send(("ok", "ready"))
+    rig: _Rank | None = None
+    while True:
+        cmd, args = conn.recv()
+        try:
+            if cmd == "exit":
+                if rig is not None:
+                    rig.connector.shutdown()
+                conn.send(("ok", None))
+                return
+            if cmd == "build":
+                rig = _Rank(rank, args)
+                conn.send(("ok", None))
+            elif cmd == "step":
+                assert rig is not None
+                conn.send(("ok", rig.step(*args)))
+            elif cmd == "wait":
+                assert rig is not None
+                rig.worker.wait_all(timeout=60)
+                conn.send(("ok", rig.stats()))
+            elif cmd == "stats":
+                assert rig is not None
+                conn.send(("ok", rig.stats()))
+            elif cmd == "shutdown":
+                if rig is not None:
+                    rig.connector.shutdown()
+                rig = None
+                conn.send(("ok", None))
+            else:
+                conn.send(("error", f"unknown command {cmd!r}"))
+        except Exception as exc:  # reported to the test process, which raises it
+            import traceback
+
+            conn.send(("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}"))
+
+
+class WorkerPool:
+    """``tp`` spawned worker processes, reused across engines (vLLM is imported once each)."""
+
+    def __init__(self, tp: int = 2) -> None:
+        ctx = mp.get_context("spawn")
+        self.tp = tp
+        self.conns: list[Connection] = []
+        self.procs: list[Any] = []
+        for rank in range(tp):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(rank, child), daemon=True)
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self._collect("start")
+
+    def _collect(self, cmd: str) -> list[Any]:
+        out = []
+        for conn in self.conns:
+            if not conn.poll(STEP_TIMEOUT_S):
+                raise AssertionError(f"worker did not answer {cmd!r} in {STEP_TIMEOUT_S} s")
+            status, value = conn.recv()
+            if status != "ok":
+                raise RuntimeError(value)
+            out.append(value)
+        return out
+
+    def call(self, cmd: str, args: Any = None, per_rank: list[Any] | None = None) -> list[Any]:
+        for i, conn in enumerate(self.conns):
+            conn.send((cmd, per_rank[i] if per_rank is not None else args))
+        return self._collect(cmd)
+
+    def close(self) -> None:
+        for conn, proc in zip(self.conns, self.procs):
+            try:
+                conn.send(("exit", None))
+                if conn.poll(30):
+                    conn.recv()
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+
+
+# -- the scheduler side (this process) -------------------------------------------------------
+
+
+@dataclass
+class TPRig:
+    """vLLM's scheduler here, the worker-side connectors in ``pool``'s processes."""
+
+    pool: WorkerPool
+    scheduler: Scheduler
+    hash_fn: Any
+    engine_id: str
+    aggregator: KVOutputAggregator
+    first_computed: dict[str, int] = field(default_factory=dict)
+    outputs: list[Any] = field(default_factory=list)
+    steps: int = 0
+    _next_id: int = 0
+
+    @classmethod
+    def build(
+        cls,
+        pool: WorkerPool,
+        tmp_path: Path,
+        extra_config: dict[str, Any],
+        num_gpu_blocks: int = 12,
+        connector: dict[str, Any] | None = None,
+        recompute_failed_loads: bool = True,
+        model_name: str = "tiny-llama",
+    ) -> TPRig:
+        from vllm.config import set_current_vllm_config
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import init_none_hash
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        model_dir = write_tiny_llama(tmp_path / model_name)
+        engine_id = f"kvoffload-test-{uuid.uuid4().hex[:12]}"
+        build = {
+            "model_dir": str(model_dir),
+            "num_gpu_blocks": num_gpu_blocks,
+            "extra_config": dict(extra_config),
+            "connector": connector,
+            "engine_id": engine_id,
+            "tp": pool.tp,
+            "recompute_failed_loads": recompute_failed_loads,
+        }
+        # vLLM's order: the workers register their KV caches, then the scheduler starts.
+        pool.call("build", build)
+        config = _tp_config(rank=0, **build)
+        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        with set_current_vllm_config(config):
+            scheduler = Scheduler(
+                vllm_config=config,
+                kv_cache_config=_kv_cache_config(num_gpu_blocks, pool.tp),
+                structured_output_manager=StructuredOutputManager(config),
+                block_size=BLOCK_SIZE,
+                log_stats=True,
+            )
+        return cls(pool, scheduler, hash_fn, engine_id, KVOutputAggregator(pool.tp))
+
+    @property
+    def manager(self) -> Any:
+        connector = self.scheduler.connector
+        assert isinstance(connector, OffloadingConnector)
+        return connector.connector_scheduler.manager
+
+    def add(self, prompt: list[int], max_tokens: int = 2, req_id: str | None = None) -> str:
+        from vllm import SamplingParams
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+        from vllm.v1.request import Request
+
+        if req_id is None:
+            req_id = f"r{self._next_id}"
+            self._next_id += 1
+        self.scheduler.add_request(
+            Request(
+                request_id=req_id,
+                prompt_token_ids=list(prompt),
+                sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                pooling_params=None,
+                block_hasher=get_request_block_hasher(BLOCK_SIZE, self.hash_fn),
+            )
+        )
+        return req_id
+
+    def _writes(self, output: Any) -> list[tuple[int, bytes]]:
+        out = []
+        for req_id, n in output.num_scheduled_tokens.items():
+            request = self.scheduler.requests.get(req_id)
+            if request is None:
+                continue
+            (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+            end = request.num_computed_tokens
+            start = end - n
+            for idx in range(start // BLOCK_SIZE, end // BLOCK_SIZE):
+                if idx < len(request.block_hashes) and (idx + 1) * BLOCK_SIZE <= end:
+                    out.append((block_ids[idx], bytes(request.block_hashes[idx])))
+        return out
+
+    def _loads(self, meta: Any) -> dict[int, tuple[list[int], list[bytes], bool]]:
+        out = {}
+        for job_id, job in meta.load_jobs.items():
+            request = self.scheduler.requests[job.req_id]
+            dst = job.dst_spec
+            first = int(dst.block_indices[0])
+            ids = [int(b) for b in dst.block_ids]
+            hashes = [bytes(request.block_hashes[first + i]) for i in range(len(ids))]
+            out[job_id] = (ids, hashes, bool(job.sync))
+        return out
+
+    def step(self) -> Any:
+        output = self.scheduler.schedule()
+        self.steps += 1
+        for new in output.scheduled_new_reqs:
+            self.first_computed.setdefault(new.req_id, new.num_computed_tokens)
+        meta = output.kv_connector_metadata
+        args = (meta, self._loads(meta), self._writes(output), set(output.finished_req_ids))
+        kv_outputs = self.pool.call("step", args)
+        req_ids = list(output.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            request = self.scheduler.requests.get(req_id)
+            done = request is not None and request.num_computed_tokens >= request.num_tokens
+            sampled.append([7] if done else [])
+        runner_outputs = [
+            ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=sampled,
+                kv_connector_output=kv_output,
+            )
+            for kv_output in kv_outputs
+        ]
+        merged = self.aggregator.aggregate(runner_outputs)
+        self.outputs.append(self.scheduler.update_from_output(output, merged))
+        return output
+
+    def run(self, max_steps: int = 400) -> int:
+        """Step until no request is left and no transfer is in flight; the steps taken."""
+        for n in range(max_steps):
+            if not self.scheduler.has_requests() and not self._busy():
+                return n
+            output = self.step()
+            if not output.total_num_scheduled_tokens:
+                # Only transfers and the lower tiers' answers can make progress.
+                self.pool.call("wait")
+                time.sleep(0.002)
+        raise AssertionError(f"engine still busy after {max_steps} steps")
+
+    def _busy(self) -> bool:
+        if any(s["in_flight"] for s in self.pool.call("stats")):
+            return True
+        manager = self.manager
+        has_pending = getattr(manager, "has_pending_work", None)
+        return bool(has_pending()) if has_pending is not None else False
+
+    def rank_stats(self) -> list[dict[str, Any]]:
+        return self.pool.call("stats")
+
+    def finish_reasons(self) -> dict[str, str]:
+        return {
+            o.request_id: str(o.finish_reason)
+            for outs in self.outputs
+            for eco in outs.values()
+            for o in eco.outputs
+            if o.finished
+        }
+
+    def shutdown(self) -> None:
+        self.pool.call("shutdown")
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.shutdown()
