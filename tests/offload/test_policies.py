@@ -33,7 +33,7 @@ def test_registry_knows_every_policy() -> None:
     names.add("chain_duel")
     assert names <= set(policy_names())
     assert isinstance(make_policy("arc", 4), ARCPolicy)
-    with pytest.raises(ValueError, match="known: arc, arc_admit, chain_duel"):
+    with pytest.raises(ValueError, match="known: arc, arc_admit, chain_arms, chain_duel"):
         make_policy("lfu", 4)
     with pytest.raises(ValueError, match="capacity"):
         make_policy("lru", 0)
@@ -311,6 +311,17 @@ def test_a_reject_read_again_is_promoted(cls: type[SecondSightPolicy]) -> None:
     assert key(3) in p.inner and p.num_evictable() == 2
     p.unpin(keys(3))
     assert p.num_evictable() == 3
+
+
+@pytest.mark.parametrize("cls", [AdmitARCPolicy, AdmitLRUPolicy, DuelChainLRUPolicy])
+def test_a_reject_named_twice_in_one_access_is_promoted_once(cls: type[SecondSightPolicy]) -> None:
+    # (pin gets each key once: the manager pins only keys whose count leaves 0.)
+    p = cls(8)
+    store(p, [1, 2, 3])
+    assert key(2) in p.rejects
+    p.access(keys(2, 2))
+    assert key(2) in p.inner and key(2) not in p.rejects
+    assert len(p) == 3
 
 
 def test_ghost_hits_move_the_reject_share() -> None:

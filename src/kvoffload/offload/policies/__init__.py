@@ -1,15 +1,18 @@
 """Cache policies of a tier, by name.
 
 ``lru``, ``lru_flat``, ``chain_lru``, ``arc``, ``s3fifo``, ``sieve``, ``arc_admit``,
-``lru_admit``, ``chain_duel``; see ``registry``.
+``lru_admit``, ``chain_duel``, ``chain_arms`` and ``queue_arms`` (queue hints around
+``chain_arms``); see ``registry``.
 """
 
 from kvoffload.offload.policies.admission import AdmitARCPolicy, AdmitLRUPolicy
 from kvoffload.offload.policies.arc import ARCPolicy
+from kvoffload.offload.policies.arms import ArmsChainLRUPolicy
 from kvoffload.offload.policies.base import CachePolicy
 from kvoffload.offload.policies.chain_lru import ChainLRUPolicy
 from kvoffload.offload.policies.duel import DuelChainLRUPolicy
 from kvoffload.offload.policies.lru import FlatLRUPolicy, LRUPolicy
+from kvoffload.offload.policies.queue import QueueArmsPolicy, QueueAwarePolicy
 from kvoffload.offload.policies.registry import (
     POLICIES,
     make_policy,
@@ -24,11 +27,14 @@ __all__ = [
     "ARCPolicy",
     "AdmitARCPolicy",
     "AdmitLRUPolicy",
+    "ArmsChainLRUPolicy",
     "CachePolicy",
     "ChainLRUPolicy",
     "DuelChainLRUPolicy",
     "FlatLRUPolicy",
     "LRUPolicy",
+    "QueueArmsPolicy",
+    "QueueAwarePolicy",
     "S3FIFOPolicy",
     "SievePolicy",
     "make_policy",

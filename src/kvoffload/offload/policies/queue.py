@@ -39,8 +39,8 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from kvoffload.offload.base import OffloadKey
+from kvoffload.offload.policies.arms import ArmsChainLRUPolicy
 from kvoffload.offload.policies.base import CachePolicy
-from kvoffload.offload.policies.duel import DuelChainLRUPolicy
 
 
 class QueueAwarePolicy(CachePolicy):
@@ -301,8 +301,8 @@ class QueueAwarePolicy(CachePolicy):
         return out
 
 
-class QueueDuelPolicy(QueueAwarePolicy):
-    """Queue and session hints around ``chain_duel``."""
+class QueueArmsPolicy(QueueAwarePolicy):
+    """Queue and session hints around ``chain_arms``."""
 
-    name = "queue_duel"
-    inner_cls = DuelChainLRUPolicy
+    name = "queue_arms"
+    inner_cls = ArmsChainLRUPolicy

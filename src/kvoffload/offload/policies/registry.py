@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from kvoffload.offload.policies.admission import AdmitARCPolicy, AdmitLRUPolicy
 from kvoffload.offload.policies.arc import ARCPolicy
+from kvoffload.offload.policies.arms import ArmsChainLRUPolicy
 from kvoffload.offload.policies.base import CachePolicy
 from kvoffload.offload.policies.chain_lru import ChainLRUPolicy
 from kvoffload.offload.policies.duel import DuelChainLRUPolicy
 from kvoffload.offload.policies.lru import FlatLRUPolicy, LRUPolicy
-from kvoffload.offload.policies.queue import QueueDuelPolicy
+from kvoffload.offload.policies.queue import QueueArmsPolicy
 from kvoffload.offload.policies.s3fifo import S3FIFOPolicy
 from kvoffload.offload.policies.sieve import SievePolicy
 
@@ -34,7 +35,8 @@ for _cls in (
     AdmitARCPolicy,
     AdmitLRUPolicy,
     DuelChainLRUPolicy,
-    QueueDuelPolicy,
+    ArmsChainLRUPolicy,
+    QueueArmsPolicy,
 ):
     register_policy(_cls)
 

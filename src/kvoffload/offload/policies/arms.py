@@ -1,0 +1,248 @@
+"""Three admission modes in front of chain-aware LRU, chosen by a duel of sampled shadow caches.
+
+``chain_duel`` chooses between admitting every new key and admitting only
+second sightings. Neither survives a loop: a cyclic working set larger than
+the tier (a few long prompts sent in turn) is all second sightings, and LRU
+evicts each block just before its next use, so the tier serves nothing. The
+third mode here is bimodal insertion (BIP, Qureshi et al., ISCA 2007): only
+about one store in ``bip_period`` is admitted, the others go to the reject
+FIFO that is evicted first, so the tier keeps the part of the loop it holds
+and serves it every cycle, and still turns over slowly when the working set
+moves. A store is admitted or not as a whole, so chains stay whole; until the
+tier first fills, every store is admitted (there is nothing to protect yet).
+
+Three shadow LRUs of ``capacity / rate`` slots replay a fixed sample of the
+keys (1 in ``rate`` by a byte of the key, as ``chain_duel``): one per mode.
+Each keeps a decayed hit score; the real cache follows the best one, and
+leaves its current mode only for a score better by ``switch_margin`` (in
+shadow hits), so noise does not flip it. This is set dueling over three arms;
+the shadows see only keys, at O(1) per sampled key.
+
+Everything is decided by key bytes and the order of calls, so the same trace
+always gives the same result.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import ClassVar
+
+from kvoffload.offload.base import OffloadKey
+from kvoffload.offload.policies.admission import SecondSightPolicy
+from kvoffload.offload.policies.chain_lru import ChainLRUPolicy
+
+ALL, SECOND, BIP = 0, 1, 2
+MODE_NAMES = ("all", "second", "bip")
+
+
+class _Shadow:
+    """Keys only: an LRU of ``capacity`` in front of which one admission mode runs."""
+
+    __slots__ = ("bip_period", "capacity", "history", "main", "mode", "rejects", "seen")
+
+    def __init__(self, capacity: int, mode: int, history: int, bip_period: int) -> None:
+        self.capacity = capacity
+        self.mode = mode
+        self.main: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.rejects: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.seen: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.history = history
+        self.bip_period = bip_period
+
+    def access(self, key: OffloadKey, bip_admit: bool = False) -> int:
+        """Read ``key``: 1 if it hit, else 0 (a miss stores it; BIP admits it if ``bip_admit``)."""
+        main = self.main
+        if key in main:
+            main.move_to_end(key)
+            return 1
+        rejects = self.rejects
+        if key in rejects:
+            del rejects[key]
+            main[key] = None
+            return 1
+        mode = self.mode
+        if mode == ALL:
+            main[key] = None
+        elif mode == SECOND:
+            seen = self.seen
+            if key in seen:
+                main[key] = None
+            else:
+                rejects[key] = None
+                seen[key] = None
+                if len(seen) > self.history:
+                    seen.popitem(last=False)
+        else:
+            # As the real cache: BIP fills its main part, then admits one call in N.
+            if bip_admit or len(main) < self.capacity:
+                main[key] = None
+            else:
+                rejects[key] = None
+        while len(main) + len(rejects) > self.capacity:
+            (rejects or main).popitem(last=False)
+        return 0
+
+
+class ArmsChainLRUPolicy(SecondSightPolicy):
+    """Chain-aware LRU behind the best of three admission modes (all, second sighting, BIP)."""
+
+    name = "chain_arms"
+    inner_cls = ChainLRUPolicy
+    adaptive_share = False
+    max_rate: ClassVar[int] = 16  # sample at most 1 key in 16 ...
+    min_shadow: ClassVar[int] = 128  # ... keeping at least this many slots per shadow
+    window: ClassVar[float] = 32.0  # score decay, in shadow capacities' worth of sampled reads
+    bip_period: ClassVar[int] = 32  # BIP admits about one store in this many
+    switch_margin: ClassVar[float] = 2.0  # shadow hits a new mode must lead by
+    bip_lead: ClassVar[float] = 3.0  # BIP's shadow hits must be this many times the others'
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        rate = 1
+        while rate < self.max_rate and capacity // (2 * rate) >= self.min_shadow:
+            rate *= 2
+        self.rate_mask = rate - 1
+        shadow_cap = max(1, capacity // rate)
+        history = max(1, self._history_size // rate)
+        self.shadows = [
+            _Shadow(shadow_cap, m, history, self.bip_period) for m in (ALL, SECOND, BIP)
+        ]
+        self.scores = [0.0, 0.0, 0.0]
+        self._stores = 0
+        self._calls = 0  # observed calls with sampled keys (the BIP shadow's admission clock)
+        self._max_store = 0  # the most new keys one store has brought
+        self._pinned_rejects: set[OffloadKey] = set()
+        self.mode = SECOND  # until the shadows have seen enough: measured safer than ALL
+        self._keep = 1.0 - 1.0 / (self.window * shadow_cap)
+
+    def _observe(self, keys: Sequence[OffloadKey]) -> None:
+        mask = self.rate_mask
+        a, b, c = self.shadows
+        keep = self._keep
+        sa, sb, sc = self.scores
+        seen = False
+        bip_admit = self._calls % self.bip_period == 0
+        for k in keys:
+            if len(k) > 4 and (k[-5] & mask) == 0:
+                sa = sa * keep + a.access(k)
+                sb = sb * keep + b.access(k)
+                sc = sc * keep + c.access(k, bip_admit)
+                seen = True
+        if seen:
+            self._calls += 1
+            self.scores = [sa, sb, sc]
+            # BIP's shadow flatters it (per key, where the real cache admits per store):
+            # it must lead by a factor, which a loop (where the others hit ~0) gives.
+            eff = (sa, sb, sc / self.bip_lead)
+            cur = self.mode
+            best = max(range(3), key=eff.__getitem__)
+            if best != cur and eff[best] > eff[cur] + self.switch_margin:
+                self.mode = best
+
+    def admit_all(self) -> bool:
+        return self.mode == ALL
+
+    # In BIP mode a reject read again is promoted only while the inner policy has
+    # room beside the largest store: otherwise the next large store would evict
+    # kept keys to make room, and a loop would shrink the kept part each cycle.
+    # A reject that stays one is refreshed (newest in the FIFO); pinned, it waits
+    # in ``_pinned_rejects`` and returns to the FIFO when unpinned.
+
+    def _room(self) -> int:
+        if self.mode != BIP:
+            return 1 << 62
+        return self.capacity - self._max_store - len(self.inner)
+
+    def _split_rejects(
+        self, keys: Sequence[OffloadKey]
+    ) -> tuple[list[OffloadKey], list[OffloadKey]]:
+        """(rejects among ``keys`` to promote, rejects that stay rejects); both leave the FIFO."""
+        rejects = self.rejects
+        room = self._room()
+        up: list[OffloadKey] = []
+        stay: list[OffloadKey] = []
+        for k in keys:
+            if rejects.pop(k, rejects) is None:
+                (up if len(up) < room else stay).append(k)
+        return up, stay
+
+    def __len__(self) -> int:
+        return super().__len__() + len(self._pinned_rejects)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._pinned_rejects or super().__contains__(key)
+
+    def discard(self, key: OffloadKey) -> None:
+        if key in self._pinned_rejects:
+            self._pinned_rejects.discard(key)
+        else:
+            super().discard(key)
+
+    def access(self, keys: Sequence[OffloadKey]) -> None:
+        self._observe(keys)
+        if not self.rejects and not self._pinned_rejects:
+            self.inner.access(keys)
+            return
+        up, stay = self._split_rejects(keys)
+        if up:
+            self.inner.insert(up)
+        rejects = self.rejects
+        for k in stay:
+            rejects[k] = None
+        if stay:
+            kept = set(stay)
+            self.inner.access([k for k in keys if k not in kept and k not in self._pinned_rejects])
+        else:
+            self.inner.access([k for k in keys if k not in self._pinned_rejects])
+
+    def pin(self, keys: Sequence[OffloadKey]) -> None:
+        up, stay = self._split_rejects(keys) if self.rejects else ([], [])
+        if up:
+            self.inner.insert(up)
+        if stay:
+            self._pinned_rejects.update(stay)
+            kept = set(stay)
+            keys = [k for k in keys if k not in kept]
+        self.inner.pin(keys)
+
+    def unpin(self, keys: Sequence[OffloadKey]) -> None:
+        pr = self._pinned_rejects
+        if pr:
+            back = [k for k in keys if k in pr]
+            if back:
+                pr.difference_update(back)
+                rejects = self.rejects
+                for k in back:
+                    rejects[k] = None
+                keys = [k for k in keys if k not in rejects]
+        self.inner.unpin(keys)
+
+    def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
+        self._observe(incoming)
+        if len(incoming) > self._max_store:
+            self._max_store = min(len(incoming), self.capacity // 2)
+        if self.mode != BIP or not incoming:
+            return super().evict(n, incoming)
+        # BIP: a store is admitted whole or not at all (chains stay whole): while the
+        # inner policy holds less than the tier minus the largest store (the room the
+        # rejects need, so that storing them never evicts kept keys), then one store in N.
+        self._stores += 1
+        admit = len(incoming) <= self._room() or self._stores % self.bip_period == 0
+        history = self.history
+        for k in incoming:
+            history[k] = None
+            history.move_to_end(k)
+        while len(history) > self._history_size:
+            history.popitem(last=False)
+        if admit:
+            self._admit.update(incoming)
+        admitted = list(incoming) if admit else []
+        if n == 0:
+            self.inner.evict(0, admitted)
+            return []
+        rejects, inner = self.rejects, self.inner
+        k = min(n, len(rejects))
+        k = max(k, n - inner.num_evictable())
+        victims = [rejects.popitem(last=False)[0] for _ in range(k)]
+        return victims + inner.evict(n - k, admitted)
