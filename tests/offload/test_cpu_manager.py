@@ -203,6 +203,24 @@ def test_touch_ignores_unknown_and_storing_keys(policy: str) -> None:
     assert m.lookup(keys(1)) == 1
 
 
+@pytest.mark.parametrize("policy", ALL)
+def test_a_key_repeated_in_one_call(policy: str) -> None:
+    # Admission policies once raised KeyError promoting a first-sighting key
+    # that one touch named twice.
+    m = CPUOffloadingManager(4, policy)
+    stored(m, keys(1, 2))
+    m.touch(keys(1, 1))
+    m.touch(keys(2, 1, 2))
+    assert m.lookup(keys(1, 2)) == 2
+    stored(m, keys(3))
+    spec = m.prepare_load(keys(3, 3))  # one request's prefix names a block twice
+    assert spec.block_ids.tolist() == [m.slot_of(key(3))] * 2
+    assert m.ref_count(key(3)) == 2
+    m.complete_load(keys(3, 3))
+    assert m.ref_count(key(3)) == 0
+    assert m.num_evictable_blocks() == m.num_stored_blocks() == 3
+
+
 def test_events_contents_and_order() -> None:
     m = CPUOffloadingManager(3, "lru", enable_events=True)
     assert list(m.take_events()) == []

@@ -20,11 +20,17 @@ from hypothesis.stateful import (
 )
 
 from kvoffload.offload import CPUOffloadingManager, OffloadingEvent, OffloadKey, policy_names
+from kvoffload.offload.policies import make_policy
+from kvoffload.offload.policies.admission import SecondSightPolicy
 from tests.offload.keyutil import key
 
 N = 4
 UNIVERSE = 9
-ids_list = st.lists(st.integers(0, UNIVERSE - 1), max_size=5)
+# Often with a key named twice in one call: a request may name a block twice,
+# and a policy once raised KeyError on touch([k, k]).
+ids_list = st.lists(st.integers(0, UNIVERSE - 1), max_size=5) | st.lists(
+    st.integers(0, UNIVERSE - 1), min_size=1, max_size=3
+).flatmap(lambda ids: st.permutations(ids * 2))
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -97,6 +103,15 @@ class ManagerMachine(RuleBasedStateMachine):
         ks = [key(i) for i in ids]
         self.m.touch(ks)
         self.use([k for k in ks if k in self.stored and k not in self.pins])
+
+    @precondition(lambda self: self.stored)
+    @rule(data=st.data())
+    def touch_stored_repeating(self, data: st.DataObject) -> None:
+        """A touch naming stored keys, one of them twice or more."""
+        some = st.lists(st.sampled_from(sorted(self.stored)), min_size=1, max_size=3)
+        ks = data.draw(some.flatmap(lambda ks: st.permutations(ks * 2)))
+        self.m.touch(ks)
+        self.use([k for k in ks if k not in self.pins])
 
     @rule(ids=ids_list)
     def prepare_store(self, ids: list[int]) -> None:
@@ -239,3 +254,22 @@ class LRUManagerMachine(ManagerMachine):
 
 TestLRUManagerMachine = LRUManagerMachine.TestCase
 TestLRUManagerMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+#: Policies with second-sighting admission: first-sighting keys sit in a reject
+#: queue until read again, a path of their own for repeated keys.
+ADMISSION = [n for n in policy_names() if isinstance(make_policy(n, N), SecondSightPolicy)]
+
+
+class AdmissionManagerMachine(ManagerMachine):
+    """The same machine on the admission policies only."""
+
+    @initialize(policy=st.sampled_from(ADMISSION))
+    def start(self, policy: str) -> None:
+        super().start(policy)
+
+
+TestAdmissionManagerMachine = AdmissionManagerMachine.TestCase
+TestAdmissionManagerMachine.settings = settings(
+    max_examples=100, stateful_step_count=30, deadline=None
+)
