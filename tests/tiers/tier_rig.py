@@ -60,6 +60,9 @@ class Rig:
         self.worker = OffloadingWorker.for_cpu_tier(self.gpu, self.layout, self.pool)
         ident = {k: tier_kw.pop(k) for k in IDENTITY_KEYS if k in tier_kw}
         ident.setdefault("hash_fn", "xxhash64")
+        # Synchronous presence unless a test asks otherwise: most tier tests check what a
+        # second instance sees at once (test_async_presence covers the asynchronous path).
+        tier_kw.setdefault("redis_async_presence", False)
         self.config = TierConfig(
             disk_dir=None if disk_dir is None else str(disk_dir),
             disk_blocks=disk_blocks if disk_dir is not None else None,

@@ -457,10 +457,12 @@ class TieredOffloadingManager(OffloadingManager):
             # Write-throughs run only after a successful GPU -> CPU copy.
             tier.complete_store(k, success=record.ok)
 
-    # -- hints (only the CPU tier's policy uses them) -----------------------------
+    # -- hints (the CPU tier's policy uses them; a remote tier prefetches presence) --
 
     def hint_queued(self, request_id: str, keys: Sequence[OffloadKey]) -> None:
         self.cpu.hint_queued(request_id, keys)
+        for tier in self.lower:  # a remote tier learns what the server has before the lookup
+            tier.hint_queued(request_id, keys)
 
     def hint_dequeued(self, request_id: str) -> None:
         self.cpu.hint_dequeued(request_id)

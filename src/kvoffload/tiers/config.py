@@ -39,6 +39,7 @@ TIER_KEYS: tuple[str, ...] = (
     "num_threads",
     "direct_io",
     "enable_events",
+    "redis_async_presence",
 )
 
 
@@ -138,7 +139,10 @@ class TierConfig:
     - ``redis_url``: ``redis://``, ``rediss://``, ``valkey://``, ``unix://``
       or a ``redis+cluster://h1:p1,h2:p2`` seed list; ``redis_namespace``
       prefixes every key; ``redis_ttl_s`` expires blocks (None: never);
-      ``redis_timeout_s`` bounds each call (a slower server is an outage).
+      ``redis_timeout_s`` bounds each call (a slower server is an outage);
+      ``redis_async_presence``: lookups answer from known presence and ask
+      the server off the scheduler thread, one pipelined round trip per
+      step (False: one synchronous round trip per lookup).
     - ``write_mode``: "write_back" (blocks go down when the CPU tier evicts
       them) or "write_through" (every stored block at once).
     - ``num_threads``: worker threads per lower tier; ``enable_events``:
@@ -158,6 +162,7 @@ class TierConfig:
     num_threads: int = 2
     direct_io: bool | None = None
     enable_events: bool = True
+    redis_async_presence: bool = True
     where: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -191,8 +196,9 @@ class TierConfig:
         _positive_number(w, "num_threads", self.num_threads, integer=True)
         if self.direct_io is not None and not isinstance(self.direct_io, bool):
             raise _fail(w, "direct_io", f"expected true, false or unset, got {self.direct_io!r}")
-        if not isinstance(self.enable_events, bool):
-            raise _fail(w, "enable_events", f"expected true or false, got {self.enable_events!r}")
+        for key in ("enable_events", "redis_async_presence"):
+            if not isinstance(getattr(self, key), bool):
+                raise _fail(w, key, f"expected true or false, got {getattr(self, key)!r}")
         if self.disk_dir is None and self.redis_url is None:
             raise _fail(w, "disk_dir", "no lower tier: set disk_dir, redis_url, or both")
 
@@ -261,7 +267,7 @@ class TierConfig:
         ):
             if key in m:
                 args[key] = _number(where, key, m[key], integer=integer)
-        for key in ("direct_io", "enable_events"):
+        for key in ("direct_io", "enable_events", "redis_async_presence"):
             if key in m:
                 args[key] = _parse_bool(where, key, m[key])
         if "write_through" in m:

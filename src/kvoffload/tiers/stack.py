@@ -39,6 +39,7 @@ from kvoffload.tiers.disk.store import DiskBlockStore
 from kvoffload.tiers.identity import tier_fingerprint
 from kvoffload.tiers.redis.handler import RedisTransferHandler
 from kvoffload.tiers.redis.manager import RemoteOffloadingManager
+from kvoffload.tiers.redis.presence import PresenceCache
 from kvoffload.tiers.redis.store import RedisBlockStore
 from kvoffload.tiers.tiered_handler import TieredTransferHandler
 from kvoffload.transfer.host_pool import HostPool
@@ -81,6 +82,9 @@ class LowerTiers:
         if self._closed:
             return
         self._closed = True
+        for tier in self.manager.lower:
+            if isinstance(tier, RemoteOffloadingManager):
+                tier.close()
         self.handler.close()
         for h in (self.disk_handler, self.redis_handler):
             if h is not None:
@@ -147,11 +151,15 @@ def make_tiers(
                 geometry_fingerprint=fingerprint,
                 hash_fn=identity.hash_fn,
             )
+            presence = (
+                PresenceCache(redis_store.contains_many) if config.redis_async_presence else None
+            )
             lower.append(
                 RemoteOffloadingManager(
                     redis_store.contains_many,
                     lambda: redis_store.available,  # type: ignore[union-attr]
                     config.enable_events,
+                    presence=presence,
                 )
             )
             redis_handler = RedisTransferHandler(redis_store, host_pool, threads)
@@ -159,6 +167,9 @@ def make_tiers(
         cpu_gpu = make_cpu_gpu_handler(gpu_tensors, layout, host_pool, threads)
         handler = TieredTransferHandler(cpu_gpu, disk_handler, redis_handler, 2 * threads)
     except BaseException:
+        for tier in lower:
+            if isinstance(tier, RemoteOffloadingManager):
+                tier.close()
         for h in (disk_handler, redis_handler):
             if h is not None:
                 h.close()

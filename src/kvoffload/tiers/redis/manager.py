@@ -1,12 +1,16 @@
 """The remote tier's manager: a shared server holds the blocks; the server is the truth.
 
 Other engines store into the same namespace and the server evicts on its own
-(max-memory, TTL), so a local index would be stale by design. Instead every
-question about presence goes to the server through ``exists_fn`` (one
-pipelined round trip per call, answered at once with "absent" during an
-outage). Locally there are only the in-flight stores (not loadable yet) and
-load pins (kept for the contract: the server may still evict a pinned block,
-in which case the load fails and the engine recomputes).
+(max-memory, TTL), so a local index would be stale by design. Instead
+presence questions go to the server through ``exists_fn`` (one pipelined
+round trip per call, answered at once with "absent" during an outage):
+synchronously without ``presence``, or, with a ``PresenceCache``, off the
+scheduler thread: lookups answer at once from what is known (a block
+another engine stored is served a step later), and a stale "present" ends
+in a failed load that the engine recomputes. Locally there are only the
+in-flight stores (not loadable yet) and load pins (kept for the contract:
+the server may still evict a pinned block, in which case the load fails and
+the engine recomputes).
 
 Events: a successful store is announced (``REMOTE``); a key this manager
 announced and later finds missing is announced as removed. Announced keys are
@@ -36,6 +40,7 @@ from kvoffload.offload.base import (
     release_pins,
 )
 from kvoffload.offload.lower_tier import REMOTE_MEDIUM, LowerTierManager, RemoteLoadStoreSpec
+from kvoffload.tiers.redis.presence import PresenceCache
 
 ExistsFn = Callable[[Sequence[bytes]], list[bool]]
 AvailableFn = Callable[[], bool]
@@ -50,7 +55,9 @@ class RemoteOffloadingManager(LowerTierManager):
     ``exists_fn(keys)``: whether each key is on the server now
     (``RedisBlockStore.contains_many``). ``available_fn()``: False during an
     outage (``RedisBlockStore.available``); stores are then skipped
-    (``keys_to_store`` empty) instead of queued to fail.
+    (``keys_to_store`` empty) instead of queued to fail. ``presence``: ask
+    off the caller's thread instead (module docstring); the manager owns it
+    and ``close`` stops it.
     """
 
     answers_locally = False
@@ -61,11 +68,13 @@ class RemoteOffloadingManager(LowerTierManager):
         available_fn: AvailableFn | None = None,
         enable_events: bool = False,
         max_announced: int = 1 << 16,
+        presence: PresenceCache | None = None,
     ) -> None:
         if max_announced < 0:
             raise ValueError(f"max_announced must be >= 0, got {max_announced}")
         self._exists = exists_fn
         self._available = available_fn
+        self.presence = presence
         self.enable_events = enable_events
         self.max_announced = max_announced
         self._storing: set[OffloadKey] = set()
@@ -92,12 +101,23 @@ class RemoteOffloadingManager(LowerTierManager):
 
     # -- presence -----------------------------------------------------------
 
+    def _ask(self, keys: list[OffloadKey]) -> tuple[list[bool], list[OffloadKey]]:
+        """Per key, present now; and the keys the server was seen without."""
+        if not keys:
+            return [], []
+        if self.presence is None:
+            there = self._exists(keys)
+            return there, [k for k, t in zip(keys, there) if not t]
+        known = self.presence.known(keys)
+        return [v is True for v in known], [k for k, v in zip(keys, known) if v is False]
+
     def stored_mask(self, keys: Sequence[OffloadKey]) -> list[bool]:
         keys = list(keys)
         ask = [k for k in keys if k not in self._storing]
-        answers = dict(zip(ask, self._exists(ask))) if ask else {}
+        there, absent = self._ask(ask)
+        answers = dict(zip(ask, there))
         mask = [answers.get(k, False) for k in keys]
-        gone = [k for k, there in answers.items() if not there and k in self._announced]
+        gone = [k for k in dict.fromkeys(absent) if k in self._announced]
         if gone:
             for k in gone:
                 del self._announced[k]
@@ -137,8 +157,9 @@ class RemoteOffloadingManager(LowerTierManager):
 
     def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput:
         unique = [k for k in dict.fromkeys(keys) if k not in self._storing]
-        # Asking first also probes a server thought down, so stores alone recover the tier.
-        there = self._exists(unique) if unique else []
+        # Asking first also probes a server thought down, so stores alone recover the tier
+        # (with ``presence`` the probe runs on its thread; unknown keys are stored again).
+        there = self._ask(unique)[0]
         if self._available is not None and not self._available():
             there = [True] * len(unique)
         new = [k for k, t in zip(unique, there) if not t]
@@ -151,6 +172,8 @@ class RemoteOffloadingManager(LowerTierManager):
             return
         if not success:
             return
+        if self.presence is not None:
+            self.presence.mark(keys, True)
         if self.max_announced:
             ann = self._announced
             for k in keys:
@@ -164,6 +187,8 @@ class RemoteOffloadingManager(LowerTierManager):
     def drop(self, keys: Sequence[OffloadKey]) -> None:
         """Forget announcements only: the server is shared, and the store already
         deletes values that fail verification."""
+        if self.presence is not None:
+            self.presence.mark(keys, False)
         gone = [k for k in dict.fromkeys(keys) if k in self._announced]
         for k in gone:
             del self._announced[k]
@@ -179,11 +204,23 @@ class RemoteOffloadingManager(LowerTierManager):
             return False
         announced = list(self._announced)
         self._announced.clear()
+        if self.presence is not None:
+            self.presence.forget()
         self._storing.clear()
         self._refs.clear()
         if announced and self.enable_events:
             self._events.append(OffloadingEvent(announced, REMOTE_MEDIUM, removed=True))
         return True
+
+    def hint_queued(self, request_id: str, keys: Sequence[OffloadKey]) -> None:
+        """A waiting request's keys: learn whether the server has them before it is scheduled."""
+        if self.presence is not None:
+            self.presence.prefetch(k for k in keys if k not in self._storing)
+
+    def close(self) -> None:
+        """Stop the presence thread (if any); answers then come from what was known."""
+        if self.presence is not None:
+            self.presence.close()
 
     def take_events(self) -> list[OffloadingEvent]:
         events, self._events = self._events, []
