@@ -9,6 +9,10 @@ Two public names, for ``--kv-transfer-config`` (see docs/vllm.md):
   load-failure recovery wired (``"kv_connector": "KVOffloadConnector"``,
   ``"kv_connector_module_path": "kvoffload.integrations.vllm"``).
 
+kvoffload's cache policies also run inside vLLM's own CPU tier as
+``KVOffload<Name>Policy`` classes (``"eviction_policy"`` with
+``"cache_policy_module_path": "kvoffload.integrations.vllm"``; see ``policies``).
+
 Importing these names imports vLLM; the core ``kvoffload`` package never
 does. They are resolved on first use (PEP 562), so the worker module alone
 (``kvoffload.integrations.vllm.worker``) needs only vLLM's
@@ -23,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvoffload.integrations.vllm.connector import KVOffloadConnector
     from kvoffload.integrations.vllm.manager import KVOffloadJobSpec, KVOffloadManager
+    from kvoffload.integrations.vllm.policies import KVOffloadPolicy, KVOffloadVLLMPolicy
     from kvoffload.integrations.vllm.settings import (
         KVOffloadConfigError,
         KVOffloadSettings,
@@ -44,6 +49,9 @@ _WHERE: dict[str, str] = {
     "KVOffloadDiskTier": "tiers.disk",
     "KVOffloadRedisTier": "tiers.redis",
     "KVOffloadWorker": "worker",
+    "KVOffloadPolicy": "policies",
+    "KVOffloadVLLMPolicy": "policies",
+    "POLICY_CLASSES": "policies",
 }
 
 __all__ = [
@@ -52,9 +60,11 @@ __all__ = [
     "KVOffloadDiskTier",
     "KVOffloadJobSpec",
     "KVOffloadManager",
+    "KVOffloadPolicy",
     "KVOffloadRedisTier",
     "KVOffloadSettings",
     "KVOffloadSpec",
+    "KVOffloadVLLMPolicy",
     "KVOffloadWorker",
     "parse_settings",
 ]
@@ -62,6 +72,9 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     module = _WHERE.get(name)
+    if module is None and name.startswith("KVOffload") and name.endswith("Policy"):
+        # kvoffload's policies as vLLM cache policies: KVOffload<Name>Policy, one per policy.
+        module = "policies"
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -1,0 +1,94 @@
+"""kvoffload's policies inside vLLM 0.33's own CPU tier (``KVOffload<Name>Policy``).
+
+vLLM's real ``CPUOffloadingManager`` loads each class by name through its
+``CachePolicyFactory`` (``cache_policy_module_path="kvoffload.integrations.vllm"``)
+and replays a generated trace as vLLM's offloading connector drives it; the
+same trace through kvoffload's own manager with the same policy
+(``kvoffload bench offload``'s replay) gives the same hits, block by block.
+"""
+
+from tests.vllm_required import need_vllm
+
+need_vllm()
+
+from collections.abc import Sequence  # noqa: E402
+
+import pytest  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
+from vllm.v1.kv_offload.cpu.policies.base import CachePolicy  # noqa: E402
+from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory  # noqa: E402
+
+import kvoffload.integrations.vllm as kv_vllm  # noqa: E402
+from kvoffload.bench.offload import replay as kvoffload_replay  # noqa: E402
+from kvoffload.bench.traces import generate, trace_keys  # noqa: E402
+from kvoffload.integrations.vllm.policies import (  # noqa: E402
+    KVOffloadVLLMPolicy,
+    policy_class_name,
+)
+from kvoffload.offload import OffloadKey  # noqa: E402
+from kvoffload.offload.cpu_manager import DEFAULT_CACHE_POLICY  # noqa: E402
+from kvoffload.offload.policies import policy_names  # noqa: E402
+
+MODULE = "kvoffload.integrations.vllm"
+TOKENS = 512
+
+
+def vllm_replay(trace: Sequence[Sequence[OffloadKey]], class_name: str, capacity: int) -> list[int]:
+    """Hits per request of vLLM's CPU manager running ``class_name`` (as its connector calls it)."""
+    m = CPUOffloadingManager(capacity, cache_policy=class_name, cache_policy_module_path=MODULE)
+    assert isinstance(m._policy, KVOffloadVLLMPolicy)
+    out = []
+    for i, keys in enumerate(trace):
+        ctx = ReqContext(req_id=str(i))
+        for j, key in enumerate(keys):
+            ctx.set_offload_key_position(key, (j + 1) * TOKENS)
+        m.on_new_request(ctx)
+        hit = 0
+        for key in keys:
+            if m.lookup(key, ctx) is not LookupResult.HIT:
+                break
+            hit += 1
+        if hit:
+            m.prepare_load(keys[:hit], ctx)
+            m.complete_load(keys[:hit], ctx)
+        rest = list(keys[hit:])
+        if rest:
+            stored = m.prepare_store(rest, ctx)
+            if stored is not None and stored.keys_to_store:
+                m.complete_store(stored.keys_to_store, ctx)
+        m.on_request_finished(ctx)
+        out.append(hit)
+    return out
+
+
+def kvoffload_hits(trace: Sequence[Sequence[OffloadKey]], policy: str, capacity: int) -> int:
+    return kvoffload_replay(trace, policy, capacity).hit_blocks
+
+
+def test_every_policy_has_a_class_the_factory_loads() -> None:
+    for policy in policy_names():
+        name = policy_class_name(policy)
+        cls = CachePolicyFactory.get_cache_policy_cls(name, MODULE)
+        assert issubclass(cls, CachePolicy) and cls.policy == policy  # type: ignore[attr-defined]
+        assert getattr(kv_vllm, name) is cls
+    assert kv_vllm.KVOffloadPolicy.policy == DEFAULT_CACHE_POLICY
+    assert policy_class_name("chain_duel") == "KVOffloadChainDuelPolicy"
+    assert policy_class_name("lru") == "KVOffloadLRUPolicy"
+
+
+TRACES = {kind: trace_keys(generate(kind, 300, seed=3)) for kind in ("mixed", "loop", "chat")}
+#: Capacities (fractions of a trace's unique blocks) where the policies differ and hit.
+FRACTIONS = {"mixed": (0.02, 0.1), "chat": (0.05, 0.25), "loop": (0.5, 0.6)}
+
+
+@pytest.mark.parametrize("kind", sorted(TRACES))
+@pytest.mark.parametrize("policy", policy_names())
+def test_same_hits_as_inside_kvoffload(kind: str, policy: str) -> None:
+    trace = TRACES[kind]
+    unique = len({k for keys in trace for k in keys})
+    for frac in FRACTIONS[kind]:
+        cap = max(4, int(unique * frac))
+        ours = kvoffload_hits(trace, policy, cap)
+        assert ours > 0 or kind == "loop"  # a loop twice the tier thrashes most policies to 0
+        assert sum(vllm_replay(trace, policy_class_name(policy), cap)) == ours, (kind, cap)
