@@ -19,16 +19,20 @@ Workloads (token ids only, so no tokenizer is involved):
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvoffload.bench.vllm_model import FIRST_WORD_ID, VOCAB_SIZE
+from kvoffload.bench.vllm_runner import PROGRESS_PREFIX
 
 ENGINE_VENV = ".venv-vllm-cpu"
 #: Overrides where the engine's Python is looked for.
@@ -77,29 +81,51 @@ class EngineRunError(RuntimeError):
     """The engine subprocess failed; the message ends with its output's tail."""
 
 
+def work_units(engines: Sequence[dict[str, Any]]) -> int:
+    """Progress units of a job: one per engine start plus one per request."""
+    return sum(1 + sum(len(p["prompts"]) for p in e["phases"]) for e in engines)
+
+
 def run_engines(
-    python: Path, engines: Sequence[dict[str, Any]], timeout_s: float = 900.0
+    python: Path,
+    engines: Sequence[dict[str, Any]],
+    timeout_s: float = 900.0,
+    on_progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
-    """Run ``engines`` (runner specs) in one engine subprocess; the runner's JSON result."""
+    """Run ``engines`` (runner specs) in one engine subprocess; the runner's JSON result.
+
+    ``on_progress(n)`` is called as the runner reports ``n`` more work units
+    done (see ``work_units``).
+    """
     with tempfile.TemporaryDirectory(prefix="kvoffload-vllm-") as tmp:
         job, out, log = Path(tmp, "job.json"), Path(tmp, "out.json"), Path(tmp, "log.txt")
         job.write_text(json.dumps({"engines": list(engines)}))
-        with log.open("wb") as sink:
+        cmd = [str(python), "-m", "kvoffload.bench.vllm_runner", str(job), str(out)]
+        rc: int | None = None
+        with (
+            log.open("w") as sink,
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=engine_env(), text=True
+            ) as proc,
+        ):
+            killer = threading.Timer(timeout_s, proc.kill)
+            killer.start()
             try:
-                proc = subprocess.run(
-                    [str(python), "-m", "kvoffload.bench.vllm_runner", str(job), str(out)],
-                    stdout=sink,
-                    stderr=subprocess.STDOUT,
-                    env=engine_env(),
-                    timeout=timeout_s,
-                    check=False,
-                )
-                rc = proc.returncode
-            except subprocess.TimeoutExpired:
-                rc = None
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    if line.startswith(PROGRESS_PREFIX):
+                        if on_progress is not None:
+                            report = json.loads(line[len(PROGRESS_PREFIX) :])
+                            on_progress(int(report.get("n", 1)))
+                    else:
+                        sink.write(line)
+                rc = proc.wait()
+            finally:
+                timed_out = not killer.is_alive() and rc != 0
+                killer.cancel()
         if rc != 0 or not out.is_file():
             tail = log.read_text(errors="replace")[-6000:]
-            why = "timed out" if rc is None else f"exit status {rc}"
+            why = f"timed out after {timeout_s:.0f} s" if timed_out else f"exit status {rc}"
             raise EngineRunError(f"vLLM engine run {why}:\n{tail}")
         return json.loads(out.read_text())
 
@@ -162,3 +188,244 @@ def workload_phases(
         else:
             raise ValueError(f"unknown workload {name!r}; known: round_robin, batch")
     return phases
+
+
+# -- the benchmark -------------------------------------------------------------
+
+
+def default_model_dir() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "kvoffload" / "tiny-llama"
+
+
+def ensure_model(python: Path, path: Path, seed: int = 0) -> Path:
+    """``path`` holding the tiny model (made by the engine venv's transformers if missing)."""
+    from kvoffload.bench.vllm_model import model_is_complete
+
+    if not model_is_complete(path):
+        proc = subprocess.run(
+            [str(python), "-m", "kvoffload.bench.vllm_model", str(path), "--seed", str(seed)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise EngineRunError(f"making the tiny model failed:\n{proc.stderr[-3000:]}")
+    return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvoffload.cli import argtypes
+
+    parser.add_argument(
+        "--model",
+        type=argtypes.existing_dir,
+        default=None,
+        help="a model directory vLLM can load (default: the tiny random Llama, made once "
+        "under ~/.cache/kvoffload)",
+    )
+    parser.add_argument(
+        "--engine-python",
+        type=argtypes.existing_file,
+        default=None,
+        help=f"Python of an environment with vLLM's engine (default: ${ENGINE_PYTHON_ENV} or "
+        f"{ENGINE_VENV}/bin/python; `make engine` builds it)",
+    )
+    parser.add_argument(
+        "--workload",
+        choices=("round_robin", "batch", "both"),
+        default="both",
+        help="round_robin: 8 prefixes x 4 visits, one at a time; batch: rounds of 4 "
+        "concurrent requests under chunked prefill (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--connector",
+        choices=("kvoffload", "stock"),
+        default="kvoffload",
+        help="KVOffloadConnector, or vLLM's OffloadingConnector with KVOffloadSpec "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--cpu-bytes",
+        type=argtypes.byte_size(),
+        default="16MiB",
+        help="kvoffload's CPU tier (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--gpu-blocks",
+        type=argtypes.positive_int(1 << 20, minimum=32),
+        default=48,
+        help="vLLM's device KV cache in blocks (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=argtypes.positive_int(1024, minimum=32),
+        default=32,
+        help="tokens per block, a multiple of 32 on vLLM's CPU backend (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=argtypes.positive_int(1024),
+        default=8,
+        help="output tokens per request (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=argtypes.positive_int(1 << 20, minimum=64),
+        default=1024,
+        help="vLLM's max_model_len (default: %(default)s)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def summarize(engine: dict[str, Any]) -> dict[str, Any]:
+    """Cached tokens, TTFT p50/p99 and throughput of one engine's result."""
+    requests = [r for p in engine["phases"] for r in p["requests"]]
+    ttft = [r["ttft_s"] for r in requests]
+    wall = sum(p["wall_s"] for p in engine["phases"])
+    totals = {
+        k: int(sum(p["counters"][k] for p in engine["phases"]))
+        for k in ("prompt_tokens", "prefix_cache_hits", "external_prefix_cache_hits")
+    }
+    out_tokens = sum(len(r["tokens"]) for r in requests)
+    return {
+        "requests": len(requests),
+        "prompt_tokens": totals["prompt_tokens"],
+        "device_cached_tokens": totals["prefix_cache_hits"],
+        "kvoffload_cached_tokens": totals["external_prefix_cache_hits"],
+        "ttft_p50_ms": 1e3 * statistics.median(ttft) if ttft else 0.0,
+        "ttft_p99_ms": 1e3 * _percentile(ttft, 0.99),
+        "wall_s": wall,
+        "prompt_tokens_per_s": totals["prompt_tokens"] / wall if wall else 0.0,
+        "output_tokens_per_s": out_tokens / wall if wall else 0.0,
+        "engine_start_s": engine["init_s"],
+    }
+
+
+def bench(args: argparse.Namespace, on_progress: Callable[[int], None] | None = None) -> dict:
+    python = find_engine_python(args.engine_python)
+    if python is None:
+        raise FileNotFoundError(
+            f"no vLLM engine environment: `make engine` builds {ENGINE_VENV}, or pass "
+            f"--engine-python / set {ENGINE_PYTHON_ENV}"
+        )
+    model = Path(args.model) if args.model else ensure_model(python, default_model_dir())
+    if args.block_size % 32:
+        raise ValueError(
+            f"--block-size {args.block_size}: vLLM's CPU backend needs a multiple of 32"
+        )
+    names = ("round_robin", "batch") if args.workload == "both" else (args.workload,)
+    base = {
+        "model": str(model),
+        "block_size": args.block_size,
+        "num_gpu_blocks": args.gpu_blocks,
+        "max_model_len": args.max_model_len,
+        "max_num_batched_tokens": 128,
+        "phases": workload_phases(names, args.max_tokens),
+    }
+    engines = [
+        dict(base, name="off"),
+        dict(base, name="on", connector=args.connector, extra_config={"cpu_bytes": args.cpu_bytes}),
+    ]
+    result = run_engines(python, engines, timeout_s=1800, on_progress=on_progress)
+    off, on = result["engines"]
+    want = [r["tokens"] for p in off["phases"] for r in p["requests"]]
+    got = [r["tokens"] for p in on["phases"] for r in p["requests"]]
+    same = sum(a == b for a, b in zip(want, got))
+    s_off, s_on = summarize(off), summarize(on)
+    return {
+        "vllm_version": result["vllm_version"],
+        "model": str(model),
+        "workloads": list(names),
+        "connector": args.connector,
+        "cpu_bytes": args.cpu_bytes,
+        "gpu_blocks": args.gpu_blocks,
+        "block_size": args.block_size,
+        "off": s_off,
+        "on": s_on,
+        "identical_outputs": same,
+        "requests": len(want),
+        "ttft_p50_ratio": s_on["ttft_p50_ms"] / s_off["ttft_p50_ms"] if s_off["ttft_p50_ms"] else 0,
+        "throughput_ratio": (
+            s_on["prompt_tokens_per_s"] / s_off["prompt_tokens_per_s"]
+            if s_off["prompt_tokens_per_s"]
+            else 0
+        ),
+        "_work": work_units(engines),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    python = find_engine_python(args.engine_python)
+    names = ("round_robin", "batch") if args.workload == "both" else (args.workload,)
+    total = 2 * (1 + sum(len(p["prompts"]) for p in workload_phases(names)))
+    err = Console(stderr=True)
+    with Progress(
+        TextColumn("vLLM engine (2 starts, then requests)"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("work", total=total)
+        report = bench(args, on_progress=lambda n: bar.advance(task, n))
+    report.pop("_work", None)
+    if args.json:
+        print(json.dumps(report))
+        return 0 if report["identical_outputs"] == report["requests"] else 1
+    console = Console(width=max(Console().width, 120))
+    t = Table(
+        title=f"real vLLM {report['vllm_version']} engine on the CPU, offload off vs on "
+        f"({', '.join(report['workloads'])}; {report['gpu_blocks']} device blocks of "
+        f"{report['block_size']} tokens)",
+        caption=f"model {report['model']}; on = {report['connector']} connector, CPU tier "
+        f"{report['cpu_bytes']:,} bytes; engine {python}",
+    )
+    for col in (
+        "offload",
+        "requests",
+        "prompt tok",
+        "device cached",
+        "kvoffload cached",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "prompt tok/s",
+        "output tok/s",
+        "engine start s",
+    ):
+        t.add_column(col, justify="right")
+    for name in ("off", "on"):
+        s = report[name]
+        t.add_row(
+            name,
+            str(s["requests"]),
+            f"{s['prompt_tokens']:,}",
+            f"{s['device_cached_tokens']:,}",
+            f"{s['kvoffload_cached_tokens']:,}",
+            f"{s['ttft_p50_ms']:.1f}",
+            f"{s['ttft_p99_ms']:.1f}",
+            f"{s['prompt_tokens_per_s']:,.0f}",
+            f"{s['output_tokens_per_s']:,.0f}",
+            f"{s['engine_start_s']:.0f}",
+        )
+    console.print(t)
+    ok = report["identical_outputs"] == report["requests"]
+    console.print(
+        f"identical output tokens: {report['identical_outputs']}/{report['requests']} "
+        f"({'ok' if ok else 'MISMATCH'}); TTFT p50 on/off {report['ttft_p50_ratio']:.2f}x, "
+        f"prompt throughput on/off {report['throughput_ratio']:.2f}x"
+    )
+    return 0 if ok else 1

@@ -31,6 +31,13 @@ from typing import Any
 
 #: vLLM counters read before and after each phase (names without the "vllm:" prefix).
 COUNTERS = ("prompt_tokens", "prefix_cache_hits", "external_prefix_cache_hits")
+#: Lines starting with this on stdout are progress reports (one JSON object each).
+PROGRESS_PREFIX = "KVOFFLOAD-PROGRESS "
+
+
+def progress(**fields: Any) -> None:
+    """Report progress to the driver (``kvoffload.bench.vllm_engine.run_engines``)."""
+    print(PROGRESS_PREFIX + json.dumps(fields), flush=True)
 
 
 def _counters(llm: Any) -> dict[str, float]:
@@ -182,6 +189,7 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
             events.get("topic", ""),
         )
     init_s = time.perf_counter() - t0
+    progress(engine=spec.get("name", ""), event="started", init_s=init_s)
     engine = llm.llm_engine
     phases = []
     try:
@@ -194,9 +202,11 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
             requests: list[dict[str, Any]] = []
             if phase.get("concurrent"):
                 requests = _serve(engine, sampling, phase["prompts"], f"p{p}")
+                progress(engine=spec.get("name", ""), event="requests", n=len(requests))
             else:
                 for i, prompt in enumerate(phase["prompts"]):
                     requests += _serve(engine, sampling, [prompt], f"p{p}r{i}")
+                    progress(engine=spec.get("name", ""), event="requests", n=1)
             wall = time.perf_counter() - t
             after = _counters(llm)
             phases.append(
