@@ -128,6 +128,8 @@ class PresenceChecks:
         self._answers: queue.SimpleQueue[list[tuple[OffloadKey, int, bool]]] = queue.SimpleQueue()
         self.batches = 0
         self.keys_checked = 0
+        # Set here, cleared by the thread once the probe ran (a bool: atomic under the GIL).
+        self._health_queued = False
         self._thread = threading.Thread(target=self._loop, name=f"{name}-lookup", daemon=True)
         self._thread.start()
 
@@ -156,7 +158,13 @@ class PresenceChecks:
             self._requests.put(live)
 
     def probe_health(self) -> None:
-        """Queue a call that lets the store's breaker probe the server (answers ignored)."""
+        """Queue a call that lets the store's breaker probe the server (answers ignored).
+
+        At most one is queued at a time: a silent server holds each for a timeout.
+        """
+        if self._health_queued:
+            return
+        self._health_queued = True
         self._requests.put([(OffloadKey(_HEALTH_KEY), -1)])
 
     def drain(self) -> None:
@@ -211,9 +219,12 @@ class PresenceChecks:
             except Exception as exc:  # an answer of "absent" beats a dead thread
                 logger.warning("kvoffload Redis tier: presence check failed: %s", exc)
                 found = [False] * len(keys)
+            if batch[0][1] < 0:
+                self._health_queued = False
+                continue
             self.batches += 1
             self.keys_checked += len(keys)
-            self._answers.put([(k, g, bool(f)) for (k, g), f in zip(batch, found) if g >= 0])
+            self._answers.put([(k, g, bool(f)) for (k, g), f in zip(batch, found)])
 
     def close(self) -> None:
         self._requests.put(None)
@@ -292,8 +303,7 @@ class KVOffloadRedisTier(KVOffloadTierBase):
             self.checks.flush()
         else:
             self.checks.drain()
-            if not self.checks.pending:
-                self.checks.probe_health()
+            self.checks.probe_health()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self.checks.release(req_context.req_id)
