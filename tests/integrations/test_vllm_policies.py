@@ -12,8 +12,13 @@ from tests.vllm_required import need_vllm
 need_vllm()
 
 from collections.abc import Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
+from vllm.config import set_current_vllm_config  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: E402
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy  # noqa: E402
@@ -29,6 +34,7 @@ from kvoffload.integrations.vllm.policies import (  # noqa: E402
 from kvoffload.offload import OffloadKey  # noqa: E402
 from kvoffload.offload.cpu_manager import DEFAULT_CACHE_POLICY  # noqa: E402
 from kvoffload.offload.policies import policy_names  # noqa: E402
+from tests.integrations.vllm_rig import kv_cache_config, vllm_config, write_tiny_llama  # noqa: E402
 
 MODULE = "kvoffload.integrations.vllm"
 TOKENS = 512
@@ -92,3 +98,33 @@ def test_same_hits_as_inside_kvoffload(kind: str, policy: str) -> None:
         ours = kvoffload_hits(trace, policy, cap)
         assert ours > 0 or kind == "loop"  # a loop twice the tier thrashes most policies to 0
         assert sum(vllm_replay(trace, policy_class_name(policy), cap)) == ours, (kind, cap)
+
+
+STOCK = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {},  # vLLM's default spec: CPUOffloadingSpec
+        {"spec_name": "TieringOffloadingSpec", "secondary_tiers": []},
+    ],
+)
+def test_vllm_specs_load_the_policy_by_name(tmp_path: Path, spec: dict[str, Any]) -> None:
+    extra = {
+        **spec,
+        "cpu_bytes_to_use": 1 << 20,
+        "eviction_policy": "KVOffloadChainDuelPolicy",
+        "cache_policy_module_path": MODULE,
+    }
+    config = vllm_config(write_tiny_llama(tmp_path / "m"), 12, extra, connector=STOCK)
+    with set_current_vllm_config(config):
+        connector = KVConnectorFactory.create_connector(
+            config, KVConnectorRole.SCHEDULER, kv_cache_config(12)
+        )
+    manager = connector.connector_scheduler.manager
+    cpu = getattr(manager, "primary_tier", manager)  # the tiering manager's CPU tier
+    policy = cpu._policy
+    assert type(policy).__name__ == "KVOffloadChainDuelPolicy"
+    assert policy.inner.name == "chain_duel"
+    connector.shutdown()
