@@ -108,5 +108,23 @@ class KVOffloadTieringManager(TieringOffloadingManager):
         return super().prepare_store(eligible, req_context)
 
     def reset_cache(self) -> None:
+        """vLLM's reset (jobs drained, CPU tier forgotten), then the lower tiers' own reset.
+
+        vLLM leaves secondary tiers as they are; kvoffload's promise for
+        ``reset_prefix_cache`` (e.g. new weights under the same name) is that no
+        tier serves a block computed before it: the disk tier forgets and
+        deletes its blocks, the Redis tier forgets what it knew (the shared
+        server keeps them for other instances).
+        """
         super().reset_cache()
         self._offers.clear()
+        for tier in self.secondary_tiers:
+            reset = getattr(tier, "reset_cache", None)
+            if reset is None:
+                # A kvoffload tier without its own reset: its kvoffload manager's.
+                inner = getattr(tier, "manager", None)
+                reset = getattr(inner, "reset_cache", None)
+                if reset is not None:
+                    reset(force=True)
+                continue
+            reset()
