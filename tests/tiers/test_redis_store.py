@@ -400,3 +400,12 @@ def test_failed_probes_back_off(redis_server: RedisServer) -> None:
     s.get(keys_of(1))
     assert s._links.breakers()[0]._interval == 0.001  # a new outage starts from the short interval
     s.close()
+
+
+def test_replies_are_parsed_by_hiredis_where_installed() -> None:
+    pytest.importorskip("hiredis")
+    s = RedisBlockStore("redis://127.0.0.1:1/0", "p", 64, check_connection=False)
+    try:
+        assert s.parser == "hiredis"
+    finally:
+        s.close()

@@ -36,6 +36,11 @@ length is deleted when a lookup or load meets it (``stats.poisoned_keys``,
 ``stats.corrupt_values``), so the next store rewrites it. Capacity and
 expiry are the server's business (``maxmemory``, ``maxmemory-policy``,
 ``ttl_s``).
+
+Parsing: replies are parsed by ``hiredis`` (C) when it is importable, which
+redis-py picks by itself for every connection (``parser`` says which one a
+store uses); reads of 256 KiB blocks measured 2.4-3.4x faster with it than
+with redis-py's Python parser (``pip install kvoffload[redis]`` brings it).
 """
 
 from __future__ import annotations
@@ -330,6 +335,19 @@ class RedisBlockStore:
         self._retry_interval_s = value
         self._max_retry_interval_s = max(self._max_retry_interval_s, value)
         self._links.set_retry(value, self._max_retry_interval_s)
+
+    @property
+    def parser(self) -> str:
+        """The reply parser of this store's connections: "hiredis" or "python"."""
+        from redis.connection import DefaultParser
+
+        # A cluster's node clients are made on first use with redis-py's defaults.
+        targets = [] if self.is_cluster else self._links.targets()
+        classes = {
+            t.client.connection_pool.connection_kwargs.get("parser_class", DefaultParser)
+            for t in targets
+        } or {DefaultParser}
+        return "hiredis" if all("Hiredis" in c.__name__ for c in classes) else "python"
 
     @property
     def available(self) -> bool:
