@@ -31,6 +31,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "kvoffload run quiet vs beside a busy process (wall-time ratio)",
     ),
     "events": ("kvoffload.bench.events", "KV event publish/decode rates, vllm vs legacy profile"),
+    "vllm": (
+        "kvoffload.bench.vllm_engine",
+        "a real vLLM engine on the CPU, offload off vs on (cached tokens, TTFT, identity)",
+    ),
 }
 # Where a command's flags live when its module is heavy: --help must not import torch.
 ARGUMENT_MODULES: dict[str, str] = {"kvoffload.bench.transfer": "kvoffload.bench.transfer_args"}
