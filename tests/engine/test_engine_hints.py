@@ -9,12 +9,14 @@ request marked ``continues`` finishes.
 
 from __future__ import annotations
 
+import pytest
+
 from kvoffload.engine.config import EngineConfig
 from kvoffload.engine.llm_engine import LLMEngine
 from kvoffload.engine.request import SamplingParams
 from kvoffload.offload import OffloadKey, make_offload_key
 from tests.offload import hint_policy
-from tests.offload.hint_policy import RECORDER, HintRecorder
+from tests.offload.hint_policy import RECORDER, HintRecorder, queue_aware_policies
 
 BS = 8
 
@@ -141,6 +143,10 @@ def _again_tier_hit_tokens(policy: str) -> int:
     return outs["again"].num_tier_hit_tokens  # type: ignore[attr-defined]
 
 
-def test_hinted_blocks_are_not_evicted_while_their_request_waits() -> None:
-    assert _again_tier_hit_tokens("lru") == 0  # the flood pushes A out of the CPU tier
-    assert _again_tier_hit_tokens(RECORDER) == 4 * BS
+def test_without_hints_the_flood_evicts_the_waiting_request_s_blocks() -> None:
+    assert _again_tier_hit_tokens("lru") == 0
+
+
+@pytest.mark.parametrize("policy", queue_aware_policies())
+def test_hinted_blocks_are_not_evicted_while_their_request_waits(policy: str) -> None:
+    assert _again_tier_hit_tokens(policy) == 4 * BS

@@ -16,6 +16,7 @@ need_vllm()
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+import pytest  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
@@ -24,7 +25,7 @@ from kvoffload.integrations.vllm.manager import CONTINUES_PARAM  # noqa: E402
 from kvoffload.offload import OffloadKey, make_offload_key  # noqa: E402
 from tests.integrations.vllm_rig import BLOCK_SIZE, VLLMRig  # noqa: E402
 from tests.offload import hint_policy  # noqa: E402
-from tests.offload.hint_policy import RECORDER, HintRecorder  # noqa: E402
+from tests.offload.hint_policy import RECORDER, HintRecorder, queue_aware_policies  # noqa: E402
 
 PROMPT_LEN = 80  # 5 full blocks
 
@@ -169,6 +170,10 @@ def _waiting_request_hits(tmp_path: Path, policy: str) -> int:
     return hits
 
 
-def test_hinted_blocks_survive_while_their_request_waits(tmp_path: Path) -> None:
-    assert _waiting_request_hits(tmp_path / "lru", "lru") == 0  # the flood evicts A under LRU
-    assert _waiting_request_hits(tmp_path / "hinted", RECORDER) == PROMPT_LEN
+def test_without_hints_the_flood_evicts_the_waiting_request_s_blocks(tmp_path: Path) -> None:
+    assert _waiting_request_hits(tmp_path, "lru") == 0
+
+
+@pytest.mark.parametrize("policy", queue_aware_policies())
+def test_hinted_blocks_survive_while_their_request_waits(tmp_path: Path, policy: str) -> None:
+    assert _waiting_request_hits(tmp_path, policy) == PROMPT_LEN

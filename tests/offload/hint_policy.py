@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from kvoffload.offload import OffloadKey
+from kvoffload.offload.policies.base import CachePolicy
 from kvoffload.offload.policies.lru import LRUPolicy
 from kvoffload.offload.policies.registry import POLICIES, register_policy
 
@@ -69,3 +70,12 @@ if RECORDER not in POLICIES:
 
 def latest() -> HintRecorder:
     return INSTANCES[-1]
+
+
+def queue_aware_policies() -> list[str]:
+    """The recording policy and every registered policy that acts on queue hints."""
+    names = [RECORDER]
+    for name, cls in sorted(POLICIES.items()):
+        if name != RECORDER and cls.hint_queued is not CachePolicy.hint_queued:
+            names.append(name)
+    return names

@@ -13,11 +13,9 @@ from collections.abc import Sequence
 import pytest
 
 from kvoffload.offload import CPUOffloadingManager, OffloadingManager, OffloadKey
-from kvoffload.offload.policies.base import CachePolicy
-from kvoffload.offload.policies.registry import POLICIES
 from kvoffload.offload.tiered_manager import TieredOffloadingManager
 from tests.offload import hint_policy
-from tests.offload.hint_policy import RECORDER
+from tests.offload.hint_policy import RECORDER, queue_aware_policies
 from tests.offload.keyutil import keys
 
 
@@ -72,16 +70,7 @@ def test_queue_hints_survive_a_reset() -> None:
     assert fresh.calls == [("queued", "a", keys(1, 2))]
 
 
-def _queue_aware_policies() -> list[str]:
-    """The recording policy and every registered policy that acts on queue hints."""
-    names = [RECORDER]
-    for name, cls in sorted(POLICIES.items()):
-        if name != RECORDER and cls.hint_queued is not CachePolicy.hint_queued:
-            names.append(name)
-    return names
-
-
-@pytest.mark.parametrize("policy", _queue_aware_policies())
+@pytest.mark.parametrize("policy", queue_aware_policies())
 def test_hinted_block_is_not_evicted_while_its_request_waits(policy: str) -> None:
     m = CPUOffloadingManager(3, policy)
     _store(m, keys(1, 2, 3))  # LRU order after a chain store: 3, 2, 1 (tail first)
