@@ -12,7 +12,7 @@ The tier fingerprint lives in ``kvoffload.tiers.identity``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -110,14 +110,29 @@ class SlotIO:
             plane.index_copy_(0, rows, src[:, p])
 
 
+class SlotStore(Protocol):
+    """What a slot tier's store offers: blocks of ``block_bytes`` under keys, in batches.
+
+    ``where`` is the store's own placement of each block (the disk tier's
+    slots); stores that place blocks themselves (Redis) take none. Both
+    calls return, per block, whether it moved (a read: a verified hit).
+    """
+
+    block_bytes: int
+
+    def put(self, keys: Sequence[bytes], blocks: Any, *where: Sequence[int]) -> list[bool]: ...
+
+    def get_into(self, keys: Sequence[bytes], out: Any, *where: Sequence[int]) -> list[bool]: ...
+
+
 class SlotTierHandler(ThreadPoolTransferHandler):
     """CPU <-> one lower tier whose store keeps serialised slots (the disk and remote handlers).
 
-    Subclasses set ``store`` (with ``block_bytes`` equal to the pool's slot bytes)
-    and ``slots``, name their tier in the class attributes, and supply
-    ``write(cpu_spec, tier_spec)`` and ``read(tier_spec, cpu_spec)``, each
-    returning per block whether it moved. This base validates jobs and turns a
-    partial copy into ``BlocksMissing``; it decides nothing.
+    ``store`` is a ``SlotStore`` whose ``block_bytes`` equal the pool's slot
+    bytes. Subclasses name their tier in the class attributes and say where
+    the store puts a block (``placement``); this base moves the bytes
+    (``write``/``read`` return per block whether it moved), validates jobs
+    and turns a partial copy into ``BlocksMissing``. It decides nothing.
     """
 
     #: The tier's ``LoadStoreSpec`` class and medium name.
@@ -126,15 +141,58 @@ class SlotTierHandler(ThreadPoolTransferHandler):
     #: How errors name the tier's blocks ("disk") and a failed write ("written").
     tier_noun: ClassVar[str]
     write_verb: ClassVar[str]
+    #: Names the job threads ("kvoffload-disk-job-0", ...).
+    thread_prefix: ClassVar[str]
 
     store: Any
     slots: SlotIO
 
+    def __init__(self, store: SlotStore, host_pool: HostPool, num_threads: int = 2) -> None:
+        if store.block_bytes != host_pool.slot_bytes:
+            raise ValueError(
+                f"{self.tier_noun} tier blocks are {store.block_bytes} bytes but CPU slots are "
+                f"{host_pool.slot_bytes}: the store was made for another geometry"
+            )
+        super().__init__(num_threads, thread_name_prefix=self.thread_prefix)
+        self.store = store
+        self.slots = SlotIO(host_pool)
+
+    def placement(self, spec: Any) -> tuple[Sequence[int], ...]:
+        """The store's ``where`` arguments for the blocks of ``spec`` (none by default)."""
+        return ()
+
+    # -- synchronous copies (also used by the tiered handler) -----------------
+
     def write(self, src: Any, dst: Any) -> list[bool]:
-        raise NotImplementedError
+        """CPU slots -> the tier; per block, whether it was stored."""
+        check_pair(src, dst)
+        if not len(dst):
+            return []
+        return self.store.put(dst.keys, self.slots.gather(src.block_ids), *self.placement(dst))
 
     def read(self, src: Any, dst: Any) -> list[bool]:
-        raise NotImplementedError
+        """The tier -> CPU slots; per block, whether it is a verified hit (misses untouched
+        in staging, garbage in place: either way not to be used)."""
+        check_pair(src, dst)
+        if not len(src):
+            return []
+        buf, staged = self.slots.reader(dst.block_ids)
+        hit = self.store.get_into(src.keys, buf, *self.placement(src))
+        if staged:
+            assert isinstance(buf, torch.Tensor)
+            self.slots.scatter(dst.block_ids, buf, hit)
+        return hit
+
+    def read_blocks(self, src: Any) -> tuple[np.ndarray, list[bool]]:
+        """The tier -> a fresh ``[n, block_bytes]`` array (for moves between tiers)."""
+        out = np.empty((len(src), self.store.block_bytes), dtype=np.uint8)
+        if not len(src):
+            return out, []
+        return out, self.store.get_into(src.keys, out, *self.placement(src))
+
+    def write_blocks(self, keys: Sequence[bytes], data: Any, *where: Sequence[int]) -> list[bool]:
+        """Serialised blocks (e.g. read from another tier) -> the tier."""
+        return self.store.put(keys, data, *where) if len(keys) else []
 
     def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
         """Run one copy; raises ``BlocksMissing`` unless every block moved. Returns bytes."""

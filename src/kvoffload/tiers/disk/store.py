@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from kvoffload.tiers.alarm import FailingAlarm
 from kvoffload.tiers.disk.index import (
     MAX_KEY_BYTES,
     DiskEntry,
@@ -108,59 +109,26 @@ class DiskStoreStats:
     truncated_blocks: int = 0
 
 
-class _WriteAlarm:
-    """One warning when disk-tier writes start failing, one when they work again, with counts.
+def _write_alarm(directory: Path) -> FailingAlarm:
+    """The disk tier's alarm: one warning when writes start failing, one when they work again.
 
-    A full filesystem fails every write for as long as it lasts; a warning
-    per failure would flood the log, none would hide it. Callers hold the
-    store's lock.
+    Callers hold the store's lock.
     """
+    return FailingAlarm(
+        logger,
+        ("blocks", "records"),
+        failing="disk tier {directory}: {why} ({err}); disk-tier writes are skipped and "
+        "counted until they succeed again ({blocks} blocks, {records} index records so far)",
+        recovered="disk tier {directory}: writes succeed again ({blocks} block writes and "
+        "{records} index records failed meanwhile)",
+        closed="disk tier {directory}: closed while writes were failing ({blocks} block writes "
+        "and {records} index records failed since the first failure)",
+        directory=directory,
+    )
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.failing = False
-        self.blocks = 0
-        self.records = 0
 
-    def failed(self, err: BaseException, blocks: int = 0, records: int = 0) -> None:
-        self.blocks += blocks
-        self.records += records
-        if self.failing:
-            return
-        self.failing = True
-        why = "the filesystem is full" if is_no_space(err) else "writes fail"
-        logger.warning(
-            "disk tier %s: %s (%s); disk-tier writes are skipped and counted until they "
-            "succeed again (%d blocks, %d index records so far)",
-            self.directory,
-            why,
-            err,
-            self.blocks,
-            self.records,
-        )
-
-    def succeeded(self) -> None:
-        if not self.failing:
-            return
-        self.failing = False
-        logger.warning(
-            "disk tier %s: writes succeed again (%d block writes and %d index records "
-            "failed meanwhile)",
-            self.directory,
-            self.blocks,
-            self.records,
-        )
-        self.blocks = self.records = 0
-
-    def report_at_close(self) -> None:
-        if self.failing:
-            logger.warning(
-                "disk tier %s: closed while writes were failing (%d block writes and %d index "
-                "records failed since the first failure)",
-                self.directory,
-                self.blocks,
-                self.records,
-            )
+def _why(err: BaseException) -> str:
+    return "the filesystem is full" if is_no_space(err) else "writes fail"
 
 
 class DiskBlockStore:
@@ -224,7 +192,7 @@ class DiskBlockStore:
         self._next_seq = 1
         self._lock_fd = -1
         self._index: IndexLog | None = None
-        self._alarm = _WriteAlarm(self.directory)
+        self._alarm = _write_alarm(self.directory)
         self._compact_at = 0
         self._slabs = SlabFiles(self.directory, block_bytes, capacity_blocks, self.blocks_per_file)
         self._closed = False
@@ -426,7 +394,7 @@ class DiskBlockStore:
         if not index.append(records):
             self.stats.index_errors += len(records)
             assert index.last_error is not None
-            self._alarm.failed(index.last_error, records=len(records))
+            self._alarm.failed(index.last_error, why=_why(index.last_error), records=len(records))
             return False
         if healthy:
             self._alarm.succeeded()
@@ -548,7 +516,7 @@ class DiskBlockStore:
             self.stats.blocks_written += len(records)
             self.stats.write_errors += failed
             if first_err is not None:
-                self._alarm.failed(first_err, blocks=failed)
+                self._alarm.failed(first_err, why=_why(first_err), blocks=failed)
             self._append(records, healthy=first_err is None)
         return ok
 

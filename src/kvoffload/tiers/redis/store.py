@@ -58,6 +58,7 @@ import numpy as np
 import redis
 import xxhash
 
+from kvoffload.tiers.alarm import FailingAlarm
 from kvoffload.tiers.redis.cluster import (
     CLUSTER_SCHEMES,
     DOWN,
@@ -184,49 +185,17 @@ def _checksum(key: bytes, payload: Any) -> int:
     return h.intdigest()
 
 
-class _RefusalAlarm:
+def _refusal_alarm(shown_url: str) -> FailingAlarm:
     """One warning when the server starts refusing stores, one (with the count) when it stops."""
-
-    def __init__(self, shown_url: str) -> None:
-        self.shown_url = shown_url
-        self.refusing = False
-        self.count = 0
-        self._lock = threading.Lock()
-
-    def refused(self, n: int, err: BaseException) -> None:
-        with self._lock:
-            self.count += n
-            if self.refusing:
-                return
-            self.refusing = True
-        logger.warning(
-            "Redis tier at %s refuses stores (%s); they fail and are counted until it "
-            "accepts them again (maxmemory, maxmemory-policy)",
-            self.shown_url,
-            err,
-        )
-
-    def accepted(self) -> None:
-        if not self.refusing:
-            return
-        with self._lock:
-            if not self.refusing:
-                return
-            self.refusing = False
-            n, self.count = self.count, 0
-        logger.warning(
-            "Redis tier at %s accepts stores again (%d were refused meanwhile)",
-            self.shown_url,
-            n,
-        )
-
-    def report_at_close(self) -> None:
-        if self.refusing:
-            logger.warning(
-                "Redis tier at %s: closed while it refused stores (%d refused)",
-                self.shown_url,
-                self.count,
-            )
+    return FailingAlarm(
+        logger,
+        ("count",),
+        failing="Redis tier at {url} refuses stores ({err}); they fail and are counted until "
+        "it accepts them again (maxmemory, maxmemory-policy)",
+        recovered="Redis tier at {url} accepts stores again ({count} were refused meanwhile)",
+        closed="Redis tier at {url}: closed while it refused stores ({count} refused)",
+        url=shown_url,
+    )
 
 
 def _is_wrongtype(reply: Any) -> bool:
@@ -290,7 +259,7 @@ class RedisBlockStore:
         self._chunk = max(1, max_batch_bytes // self.value_bytes)
         self._stats = RedisStoreStats()
         self._stats_lock = threading.Lock()
-        self._refusals = _RefusalAlarm(self.shown_url)
+        self._refusals = _refusal_alarm(self.shown_url)
         self.is_cluster = is_cluster_url(self.url)
         links_cls = ClusterLinks if self.is_cluster else StandaloneLinks
         try:
@@ -416,9 +385,9 @@ class RedisBlockStore:
         stored = sum(ok)
         self._count(blocks_written=stored, store_failures=n - stored, refused_stores=len(refused))
         if refused:
-            self._refusals.refused(len(refused), refused[0])
+            self._refusals.failed(refused[0], count=len(refused))
         elif stored:
-            self._refusals.accepted()
+            self._refusals.succeeded()
         return ok
 
     def get_into(self, keys: Sequence[bytes], out: BlockBuffers) -> list[bool]:
