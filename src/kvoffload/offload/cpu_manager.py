@@ -30,9 +30,9 @@ from kvoffload.offload.base import (
 from kvoffload.offload.policies.base import CachePolicy
 from kvoffload.offload.policies.registry import make_policy
 
-#: Chain-aware LRU with dueling second-sighting admission: on ``kvoffload bench offload``
-#: it beats LRU and ARC where most blocks are never read again and stays with LRU elsewhere.
-DEFAULT_CACHE_POLICY = "chain_duel"
+#: Queue hints (blocks waiting requests need are kept, farthest need evicted first) around
+#: chain-aware LRU with an admission duel (all / second sighting / BIP against loops).
+DEFAULT_CACHE_POLICY = "queue_arms"
 
 
 class CPUOffloadingManager(OffloadingManager):

@@ -25,6 +25,7 @@ from kvoffload.offload.base import OffloadKey
 from kvoffload.offload.policies.base import CachePolicy
 
 T1, T2 = 1, 2
+_MISSING = object()
 
 
 class ARCPolicy(CachePolicy):
@@ -53,23 +54,34 @@ class ARCPolicy(CachePolicy):
 
     def _trim_ghosts(self) -> None:
         c = self.capacity
-        while self.b1 and self.n1 + len(self.b1) > c:
-            self.b1.popitem(last=False)
-        while self.n1 + self.n2 + len(self.b1) + len(self.b2) > 2 * c:
-            (self.b2 or self.b1).popitem(last=False)
+        b1, b2 = self.b1, self.b2
+        n1 = self.n1
+        pop1 = b1.popitem
+        for _ in range(min(len(b1), n1 + len(b1) - c)):
+            pop1(last=False)
+        over = n1 + self.n2 + len(b1) + len(b2) - 2 * c
+        if over > 0:
+            k = min(over, len(b2))
+            pop2 = b2.popitem
+            for _ in range(k):
+                pop2(last=False)
+            for _ in range(over - k):
+                pop1(last=False)
 
     def insert(self, keys: Sequence[OffloadKey]) -> None:
+        b1, b2, t1, t2, list_of = self.b1, self.b2, self.t1, self.t2, self._list_of
+        missing = _MISSING
+        added2 = 0
         for key in self.chain_order(keys):
-            if key in self.b1 or key in self.b2:
-                self.b1.pop(key, None)
-                self.b2.pop(key, None)
-                self.t2[key] = None
-                self._list_of[key] = T2
-                self.n2 += 1
+            if b1.pop(key, missing) is not missing or b2.pop(key, missing) is not missing:
+                t2[key] = None
+                list_of[key] = T2
+                added2 += 1
             else:
-                self.t1[key] = None
-                self._list_of[key] = T1
-                self.n1 += 1
+                t1[key] = None
+                list_of[key] = T1
+        self.n2 += added2
+        self.n1 += len(keys) - added2
         self._trim_ghosts()
 
     def access(self, keys: Sequence[OffloadKey]) -> None:
@@ -100,33 +112,38 @@ class ARCPolicy(CachePolicy):
             self._pinned.remove(key)
             (self.t1 if self._list_of[key] == T1 else self.t2)[key] = None
 
-    def _adapt(self, key: OffloadKey) -> bool:
-        """Ghost hit on ``key``: move ``p``; returns whether it was a B2 hit."""
-        if key in self.b1:
-            self.p = min(float(self.capacity), self.p + max(len(self.b2) / len(self.b1), 1.0))
-        elif key in self.b2:
-            self.p = max(0.0, self.p - max(len(self.b1) / len(self.b2), 1.0))
-            return True
-        return False
-
     def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
-        in_b2 = [self._adapt(key) for key in incoming]
+        b1, b2 = self.b1, self.b2
+        p, cap = self.p, float(self.capacity)
+        # Ghost hits move p (ARC's adaptation), one incoming key at a time.
+        in_b2: list[bool] = []
+        for key in incoming:
+            if key in b1:
+                p = min(cap, p + max(len(b2) / len(b1), 1.0))
+                in_b2.append(False)
+            elif key in b2:
+                p = max(0.0, p - max(len(b1) / len(b2), 1.0))
+                in_b2.append(True)
+            else:
+                in_b2.append(False)
+        self.p = p
+        t1, t2, list_of = self.t1, self.t2, self._list_of
+        n1, n2 = self.n1, self.n2
+        off = len(in_b2) - n
         victims: list[OffloadKey] = []
         for i in range(n):
             # Room for incoming[-n + i]: ARC's REPLACE with that key's B2 flag.
-            x_in_b2 = in_b2[len(in_b2) - n + i] if len(in_b2) >= n - i else False
-            take_t1 = bool(self.t1) and (
-                not self.t2 or self.n1 > self.p or (x_in_b2 and self.n1 == self.p)
-            )
-            if take_t1:
-                key, _ = self.t1.popitem(last=False)
-                self.n1 -= 1
-                self.b1[key] = None
+            x_in_b2 = in_b2[off + i] if off + i >= 0 else False
+            if t1 and (not t2 or n1 > p or (x_in_b2 and n1 == p)):
+                key = t1.popitem(last=False)[0]
+                n1 -= 1
+                b1[key] = None
             else:
-                key, _ = self.t2.popitem(last=False)
-                self.n2 -= 1
-                self.b2[key] = None
-            del self._list_of[key]
+                key = t2.popitem(last=False)[0]
+                n2 -= 1
+                b2[key] = None
+            del list_of[key]
             victims.append(key)
+        self.n1, self.n2 = n1, n2
         self._trim_ghosts()
         return victims

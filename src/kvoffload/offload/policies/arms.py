@@ -95,6 +95,7 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
     window: ClassVar[float] = 32.0  # score decay, in shadow capacities' worth of sampled reads
     bip_period: ClassVar[int] = 32  # BIP admits about one store in this many
     switch_margin: ClassVar[float] = 2.0  # shadow hits a new mode must lead by
+    second_lead: ClassVar[float] = 1.0  # the same for second sighting
     bip_lead: ClassVar[float] = 3.0  # BIP's shadow hits must be this many times the others'
 
     def __init__(self, capacity: int) -> None:
@@ -134,7 +135,7 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
             self.scores = [sa, sb, sc]
             # BIP's shadow flatters it (per key, where the real cache admits per store):
             # it must lead by a factor, which a loop (where the others hit ~0) gives.
-            eff = (sa, sb, sc / self.bip_lead)
+            eff = (sa, sb / self.second_lead, sc / self.bip_lead)
             cur = self.mode
             best = max(range(3), key=eff.__getitem__)
             if best != cur and eff[best] > eff[cur] + self.switch_margin:

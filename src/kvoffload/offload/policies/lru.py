@@ -61,6 +61,11 @@ class LRUPolicy(CachePolicy):
         popitem = self._order.popitem
         return [popitem(last=False)[0] for _ in range(n)]
 
+    def discard(self, key: OffloadKey) -> None:
+        """Forget resident ``key`` (pinned or not) without counting it as evicted."""
+        if self._order.pop(key, self) is self:
+            self._pinned.remove(key)
+
     def lru_order(self) -> list[OffloadKey]:
         """Unpinned keys, next victim first (for tests and debugging; O(n))."""
         return list(self._order)
