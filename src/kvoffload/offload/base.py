@@ -27,6 +27,8 @@ from typing import NewType
 
 import numpy as np
 
+from kvoffload.offload.media import CPU_MEDIUM, GPU_MEDIUM
+
 OffloadKey = NewType("OffloadKey", bytes)
 
 _GROUP_BYTES = 4
@@ -103,7 +105,7 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
 
     @staticmethod
     def medium() -> str:
-        return "GPU"
+        return GPU_MEDIUM
 
 
 class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
@@ -111,7 +113,7 @@ class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
 
     @staticmethod
     def medium() -> str:
-        return "CPU"
+        return CPU_MEDIUM
 
 
 @dataclass

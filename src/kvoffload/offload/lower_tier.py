@@ -24,10 +24,9 @@ from kvoffload.offload.base import (
     OffloadingManager,
     OffloadKey,
 )
+from kvoffload.offload.media import DISK_MEDIUM, REMOTE_MEDIUM, TIERED_MEDIUM
 
-DISK_MEDIUM = "DISK"
-REMOTE_MEDIUM = "REMOTE"
-TIERED_MEDIUM = "TIERED"
+__all__ = ["DISK_MEDIUM", "REMOTE_MEDIUM", "TIERED_MEDIUM"]  # re-exported: older import path
 
 
 class DiskLoadStoreSpec(BlockIDsLoadStoreSpec):

@@ -31,6 +31,7 @@ import torch
 from kvoffload.offload.base import OffloadKey
 from kvoffload.offload.cpu_manager import CPUOffloadingManager
 from kvoffload.offload.lower_tier import DISK_MEDIUM, REMOTE_MEDIUM, TIERED_MEDIUM, LowerTierManager
+from kvoffload.offload.media import CPU_MEDIUM, GPU_MEDIUM
 from kvoffload.offload.tiered_manager import TieredOffloadingManager
 from kvoffload.tiers.config import TierConfig, TierConfigError, TierIdentity
 from kvoffload.tiers.disk.handler import DiskTransferHandler
@@ -46,8 +47,8 @@ from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.worker import OffloadingWorker, make_cpu_gpu_handler
 
-CPU = "CPU"
-GPU = "GPU"
+CPU = CPU_MEDIUM
+GPU = GPU_MEDIUM
 
 
 @dataclass

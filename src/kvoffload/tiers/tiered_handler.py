@@ -26,7 +26,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvoffload.offload.base import GPULoadStoreSpec, LoadStoreSpec
+from kvoffload.offload.base import LoadStoreSpec
 from kvoffload.offload.lower_tier import (
     DISK_MEDIUM,
     REMOTE_MEDIUM,
@@ -35,6 +35,7 @@ from kvoffload.offload.lower_tier import (
     TierCopy,
     TieredLoadStoreSpec,
 )
+from kvoffload.offload.media import CPU_MEDIUM, GPU_MEDIUM
 from kvoffload.tiers.disk.handler import DiskTransferHandler
 from kvoffload.tiers.redis.handler import RedisTransferHandler
 from kvoffload.tiers.slot_io import BlocksMissing
@@ -43,8 +44,8 @@ from kvoffload.transfer.spec import TransferResult, TransferSpec
 
 logger = logging.getLogger(__name__)
 
-GPU = GPULoadStoreSpec.medium()
-CPU = "CPU"
+GPU = GPU_MEDIUM
+CPU = CPU_MEDIUM
 # How long one wait on the GPU <-> CPU sub-job blocks before re-checking results.
 _SUB_WAIT_S = 1.0
 

@@ -20,13 +20,14 @@ import numpy as np
 import torch
 
 from kvoffload.offload.base import BlockIDsLoadStoreSpec
+from kvoffload.offload.media import CPU_MEDIUM, GPU_MEDIUM
 from kvoffload.transfer.copy_plan import GroupPairs, RowPairs, copy_rows
 from kvoffload.transfer.handler import ThreadPoolTransferHandler, Work
 from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import TransferSpec
 
-GPU, CPU = "GPU", "CPU"
+GPU, CPU = GPU_MEDIUM, CPU_MEDIUM
 # Jobs at least this big are split into one shard per pool thread, so that
 # one big job uses every thread; smaller ones are not worth the hand-offs.
 SHARD_MIN_BYTES = 4 << 20
