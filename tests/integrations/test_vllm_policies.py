@@ -11,6 +11,7 @@ from tests.vllm_required import need_vllm
 
 need_vllm()
 
+import random  # noqa: E402
 from collections.abc import Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
@@ -128,3 +129,54 @@ def test_vllm_specs_load_the_policy_by_name(tmp_path: Path, spec: dict[str, Any]
     assert type(policy).__name__ == "KVOffloadChainDuelPolicy"
     assert policy.inner.name == "chain_duel"
     connector.shutdown()
+
+
+@pytest.mark.parametrize("policy", policy_names())
+def test_overlapping_jobs_keep_the_inner_policy_in_step(policy: str) -> None:
+    """Loads and stores in flight across requests, failed stores, resets: no contract breach.
+
+    After each request's finish the inner policy's residents are exactly the
+    ready chunks and its evictable count is vLLM's own.
+    """
+    rng = random.Random(7)
+    cap = 24
+    m = CPUOffloadingManager(
+        cap, cache_policy=policy_class_name(policy), cache_policy_module_path=MODULE
+    )
+    adapter = m._policy
+    assert isinstance(adapter, KVOffloadVLLMPolicy)
+    chains = [[bytes([c, j]) + bytes(6) for j in range(12)] for c in range(6)]
+    loads: list[tuple[list[OffloadKey], ReqContext]] = []
+    stores: list[tuple[list[OffloadKey], ReqContext]] = []
+    for step in range(400):
+        c = rng.randrange(len(chains))
+        keys = [OffloadKey(k + bytes(4)) for k in chains[c][: rng.randint(1, 12)]]
+        ctx = ReqContext(req_id=f"r{step}")
+        for j, key in enumerate(keys):
+            ctx.set_offload_key_position(key, (j + 1) * TOKENS)
+        m.on_new_request(ctx)
+        hit = 0
+        while hit < len(keys) and m.lookup(keys[hit], ctx) is LookupResult.HIT:
+            hit += 1
+        if hit:
+            m.prepare_load(keys[:hit], ctx)
+            loads.append((keys[:hit], ctx))
+        out = m.prepare_store(keys[hit:], ctx) if hit < len(keys) else None
+        if out is not None and out.keys_to_store:
+            stores.append((out.keys_to_store, ctx))
+        # Settle some jobs out of order, a few stores failing.
+        while loads and rng.random() < 0.6:
+            done, lctx = loads.pop(rng.randrange(len(loads)))
+            m.complete_load(done, lctx)
+        while stores and rng.random() < 0.6:
+            done, sctx = stores.pop(rng.randrange(len(stores)))
+            m.complete_store(done, sctx, success=rng.random() > 0.1)
+        m.on_request_finished(ctx)
+        if rng.random() < 0.01:
+            m.reset_cache()  # vLLM never completes jobs prepared before a reset
+            loads.clear()
+            stores.clear()
+        ready = [k for k, ch in adapter._chunks.items() if ch.is_ready]
+        assert len(adapter.inner) == len(ready)
+        assert all(k in adapter.inner for k in ready)
+        assert adapter.inner.num_evictable() == m._num_evictable_cache_chunks
