@@ -175,6 +175,10 @@ class OffloadingManager(ABC):
     def num_evictable_blocks(self) -> int:
         """Stored keys that could be evicted right now (not pinned, not being stored)."""
 
+    def num_room_blocks(self) -> int:
+        """New keys a store could take right now: free slots plus evictable keys."""
+        return self.num_free_blocks() + self.num_evictable_blocks()
+
     @abstractmethod
     def is_stored(self, key: OffloadKey) -> bool:
         """Whether ``key`` is stored and ready to load (a store in flight is not)."""

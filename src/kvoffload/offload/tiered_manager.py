@@ -214,7 +214,7 @@ class TieredOffloadingManager(OffloadingManager):
         """CPU slots a promotion can get once ``cpu_keys`` are pinned by the same load."""
         cpu = self.cpu
         newly_pinned = sum(1 for k in set(cpu_keys) if cpu.ref_count(k) == 0)
-        return cpu.num_free_blocks() + cpu.num_evictable_blocks() - newly_pinned
+        return cpu.num_room_blocks() - newly_pinned
 
     # -- loads --------------------------------------------------------------
 
