@@ -3,7 +3,8 @@
 - ``disk/``: the disk tier (store, index, slabs, manager, handler);
 - ``redis/``: the Redis / Valkey tier (store, cluster links, manager, handler);
 - ``identity``: the tier fingerprint (what decides a stored block's bytes);
-- ``slot_io``: CPU slots as the byte blocks the stores keep;
+- ``slot_io``: CPU slots as the byte blocks the stores keep, and the handler both tiers share;
+- ``alarm``: one warning when a tier's writes start failing, one when they work again;
 - ``tiered_handler``: GPU <-> CPU <-> disk / Redis jobs on the worker side;
 - ``config``: ``TierConfig`` (what the lower tiers take, checked once) and ``TierIdentity``;
 - ``stack``: building the tiers behind a CPU tier (``make_tiers``).

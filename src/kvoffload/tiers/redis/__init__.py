@@ -3,12 +3,14 @@
 ``store`` keeps one checksummed value per block under a namespace derived
 from the tier fingerprint; ``cluster`` holds the connections (one server or
 a cluster's masters) and the breaker; ``manager`` the scheduler-side view of
-what the server holds; ``handler`` moves bytes between CPU slots and the store.
+what the server holds, with ``presence`` learning it off the scheduler
+thread; ``handler`` moves bytes between CPU slots and the store.
 """
 
 from kvoffload.tiers.redis.cluster import is_cluster_url, parse_cluster_url, redact_cluster_url
 from kvoffload.tiers.redis.handler import RedisTransferHandler
 from kvoffload.tiers.redis.manager import RemoteOffloadingManager
+from kvoffload.tiers.redis.presence import PresenceCache
 from kvoffload.tiers.redis.store import (
     RedisBlockStore,
     RedisStoreError,
@@ -19,6 +21,7 @@ from kvoffload.tiers.redis.store import (
 )
 
 __all__ = [
+    "PresenceCache",
     "RedisBlockStore",
     "RedisStoreError",
     "RedisStoreStats",
