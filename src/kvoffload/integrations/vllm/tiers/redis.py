@@ -18,7 +18,7 @@ is one ``TierConfigError`` line naming it):
   ``redis_timeout_s`` (0.5): bounds every call (a slower server is an
   outage); ``retry_interval_s`` (1.0) / ``max_retry_interval_s`` (30): the
   breaker's first wait after an outage and its cap;
-- ``num_threads`` (2): I/O threads; ``enable_events`` / ``enable_kv_events``
+- ``num_threads`` (4): I/O threads; ``enable_events`` / ``enable_kv_events``
   (true): ``STORAGE`` events with locality ``REMOTE``;
 - ``model_revision``: as for the disk tier; ``write_mode`` only
   "write_through".
@@ -88,6 +88,8 @@ REDIS_TIER_KEYS: tuple[str, ...] = (
 )
 REDIS_OWN_KEYS: tuple[str, ...] = (*COMMON_KEYS, "retry_interval_s", "max_retry_interval_s")
 
+#: I/O threads when ``num_threads`` is not given (each runs one pipelined job at a time).
+DEFAULT_THREADS = 4
 #: Keys announced as stored that a removal event can later take back (least recent dropped).
 MAX_ANNOUNCED = 1 << 16
 #: A key no request asks about is probed again rather than trusted from memory.
@@ -246,6 +248,8 @@ class KVOffloadRedisTier(KVOffloadTierBase):
         **keys: Any,
     ) -> None:
         config, own = split_keys(tier_type, keys, REDIS_TIER_KEYS, REDIS_OWN_KEYS)
+        if "num_threads" not in keys:
+            config = config.replace(num_threads=DEFAULT_THREADS)
         where = f"secondary_tiers[{tier_type}]"
         retry = _seconds(where, "retry_interval_s", own.get("retry_interval_s", 1.0))
         max_retry = _seconds(where, "max_retry_interval_s", own.get("max_retry_interval_s", 30.0))

@@ -1,0 +1,502 @@
+"""``kvoffload bench tiers-vllm``: kvoffload's disk tier against vLLM's fs tier, both under vLLM.
+
+Both tiers run as secondary tiers of vLLM's own ``TieringOffloadingManager``
+(built by vLLM's ``TieringOffloadingSpec.get_manager()``), on the same
+filesystem, with the same workload, in the same run; this process plays
+vLLM's scheduler (the offloading connector's calls) and the GPU<->CPU
+copies (memcpy into the shared CPU rows). Per block size (256 KiB and 1 MiB
+rows by default):
+
+- write MB/s: blocks stored into the CPU tier and cascaded by vLLM to the
+  secondary tier, from the first ``prepare_store`` until every cascade job
+  has finished (end to end through vLLM's manager, CPU tier backpressure
+  included);
+- read MB/s: a fresh engine over the same directory (empty CPU tier, so
+  every block comes from the secondary tier) looks the blocks up as vLLM's
+  connector does (``RETRY`` / ``HIT_PENDING`` until promoted, several
+  requests in flight) and loads them; from the first lookup until the last
+  block is loaded;
+- scheduler-thread time per step: seconds spent in the manager's calls on
+  this thread (lookups separately), per engine step;
+- disk bytes in use after writing twice the disk budget (``--budget``):
+  allocated bytes under each tier's directory (``st_blocks``); vLLM's fs tier
+  has no bound.
+
+Ratios are kvoffload / vLLM fs (higher is better for MB/s, lower for
+scheduler time and bytes in use). vLLM's C file I/O (``vllm.fs_io_C``) needs
+CUDA libraries; without them (a CPU machine) vLLM's fs tier takes its Python
+path, which is what this measures there (reported as ``vllm_fs_io``).
+Wall-clock figures on a shared machine are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DEFAULT_SIZES = "256KiB,1MiB"
+MODULE = "kvoffload.integrations.vllm"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--block-sizes",
+        default=DEFAULT_SIZES,
+        help=f"offloaded block (row) sizes, comma separated (default {DEFAULT_SIZES})",
+    )
+    parser.add_argument(
+        "--total",
+        default="64MiB",
+        help="bytes written (and read back) per block size (default 64MiB)",
+    )
+    parser.add_argument(
+        "--budget",
+        default="16MiB",
+        help="kvoffload's disk budget for the bytes-in-use phase, which writes twice it "
+        "(default 16MiB)",
+    )
+    parser.add_argument(
+        "--dir",
+        default=None,
+        help="directory on the filesystem to measure (default: a temporary directory "
+        "under $TMPDIR)",
+    )
+    parser.add_argument(
+        "--batch", type=int, default=8, help="blocks per store / per request (default 8)"
+    )
+    parser.add_argument(
+        "--requests-in-flight",
+        type=int,
+        default=4,
+        help="read requests looked up concurrently (default 4)",
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="runs per figure; best kept")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+# -- the engine side --------------------------------------------------------------------
+
+
+def _config(entry: dict[str, Any], block_bytes: int, cpu_chunks: int) -> Any:
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
+        worker_kv_bytes_per_block=block_bytes,
+        enable_kv_cache_events=False,
+        extra_config={"cpu_bytes_to_use": cpu_chunks * block_bytes, "secondary_tiers": [entry]},
+        engine_id=f"kvobench-{uuid.uuid4().hex[:10]}",
+        model=OffloadingModelConfig(name="bench/model", dtype="float16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+    )
+
+
+@dataclass
+class Clock:
+    """Seconds spent in the manager's calls on this (the scheduler) thread."""
+
+    seconds: float = 0.0
+    lookup_seconds: float = 0.0
+    steps: int = 0
+
+    @contextmanager
+    def manager_call(self, lookup: bool = False) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - start
+            self.seconds += dt
+            if lookup:
+                self.lookup_seconds += dt
+
+
+class Engine:
+    """One vLLM tiering manager with one secondary tier, driven as vLLM's scheduler does."""
+
+    def __init__(self, entry: dict[str, Any], block_bytes: int, cpu_chunks: int) -> None:
+        from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+        self.spec = TieringOffloadingSpec(_config(entry, block_bytes, cpu_chunks))
+        self.manager = self.spec.get_manager()
+        view = self.manager.primary_tier.get_kv_memoryview()
+        self.block_bytes = view.strides[0]
+        self._flat = view.cast("B")
+        self.rows: np.ndarray | None = np.frombuffer(self._flat, dtype=np.uint8).reshape(
+            -1, self.block_bytes
+        )
+        self.clock = Clock()
+        self._ctx_id = 0
+        self.misses = 0
+
+    @property
+    def lock(self) -> Any:
+        return getattr(self.manager, "lock", None) or nullcontext()
+
+    def call(self, fn: Callable[..., Any], *args: Any, lookup: bool = False) -> Any:
+        with self.clock.manager_call(lookup), self.lock:
+            return fn(*args)
+
+    def step(self) -> None:
+        from vllm.v1.kv_offload.base import ScheduleEndContext
+
+        self.call(self.manager.on_schedule_end, ScheduleEndContext((), ()))
+        self.clock.steps += 1
+
+    def new_request(self) -> Any:
+        from vllm.v1.kv_offload.base import ReqContext
+
+        self._ctx_id += 1
+        ctx = ReqContext(f"bench-{self._ctx_id}")
+        self.call(self.manager.on_new_request, ctx)
+        return ctx
+
+    def settle(self) -> None:
+        while self.call(self.manager.has_pending_work):
+            self.step()
+            time.sleep(0.0002)
+
+    def write(self, keys: list[Any], data: np.ndarray, batch: int) -> float:
+        """Store ``keys`` (row i gets ``data[i % len(data)]``); seconds until all cascaded."""
+        assert self.rows is not None
+        start = time.perf_counter()
+        for i in range(0, len(keys), batch):
+            part = keys[i : i + batch]
+            ctx = self.new_request()
+            while True:
+                out = self.call(self.manager.prepare_store, part, ctx)
+                if out is not None:
+                    break
+                # The CPU tier is pinned by cascades in flight.
+                self.step()
+                time.sleep(0.0002)
+            for j, c in enumerate(out.store_spec.block_ids):
+                self.rows[int(c)] = data[(i + j) % len(data)]
+            self.call(self.manager.complete_store, part, ctx, True)
+            self.call(self.manager.on_request_finished, ctx)
+            self.step()
+        self.settle()
+        return time.perf_counter() - start
+
+    def read(self, keys: list[Any], batch: int, in_flight: int) -> float:
+        """Look up and load ``keys`` in requests of ``batch``; seconds until all loaded."""
+        from vllm.v1.kv_offload.base import LookupResult
+
+        hit_like = (LookupResult.HIT, LookupResult.HIT_PENDING)
+        todo = [keys[i : i + batch] for i in range(0, len(keys), batch)]
+        active: list[tuple[Any, list[Any]]] = []
+        start = time.perf_counter()
+        while todo or active:
+            while todo and len(active) < in_flight:
+                active.append((self.new_request(), todo.pop(0)))
+            still = []
+            for ctx, part in active:
+                hits, defer = 0, False
+                for key in part:
+                    r = self.call(self.manager.lookup, key, ctx, lookup=True)
+                    if r in hit_like:
+                        hits += 1
+                        defer |= r is LookupResult.HIT_PENDING
+                    elif r is LookupResult.RETRY:
+                        defer = True
+                    else:
+                        break
+                if defer:
+                    still.append((ctx, part))
+                    continue
+                if hits:
+                    self.call(self.manager.prepare_load, part[:hits], ctx)
+                    self.call(self.manager.complete_load, part[:hits], ctx)
+                self.misses += len(part) - hits
+                self.call(self.manager.on_request_finished, ctx)
+            active = still
+            self.step()
+            if active:
+                time.sleep(0.0002)
+        self.settle()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.settle()
+        self.rows = None
+        self._flat.release()
+        self.manager.shutdown()
+
+
+# -- the measurements --------------------------------------------------------------------
+
+
+def disk_bytes_in_use(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:
+                continue
+    return total
+
+
+def _entries(root: Path, which: str, disk_bytes: int) -> dict[str, Any]:
+    if which == "kvoffload":
+        return {
+            "type": "KVOffloadDiskTier",
+            "module_path": MODULE,
+            "disk_dir": str(root),
+            "disk_bytes": disk_bytes,
+        }
+    return {"type": "fs", "root_dir": str(root)}
+
+
+@dataclass
+class TierFigures:
+    write_mb_s: float = 0.0
+    read_mb_s: float = 0.0
+    sched_ms_per_step: float = 0.0
+    sched_us_per_block: float = 0.0
+    lookup_ms_per_step: float = 0.0
+    steps: int = 0
+    read_misses: int = 0
+
+
+@dataclass
+class SizeFigures:
+    block_bytes: int
+    blocks: int
+    tiers: dict[str, TierFigures] = field(default_factory=dict)
+
+
+def _keys(n: int, tag: str) -> list[Any]:
+    import hashlib
+
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    return [make_offload_key(hashlib.sha256(f"{tag}:{i}".encode()).digest(), 0) for i in range(n)]
+
+
+def measure_size(
+    base: Path, block_bytes: int, total: int, args: argparse.Namespace, progress: Any
+) -> SizeFigures:
+    n = max(args.batch, total // block_bytes)
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, (8, block_bytes), dtype=np.uint8)
+    cpu_chunks = max(4 * args.batch, args.batch * args.requests_in_flight * 2)
+    out = SizeFigures(block_bytes, n)
+    for which in ("vllm_fs", "kvoffload"):
+        best = TierFigures()
+        for rep in range(args.repeat):
+            root = base / f"{which}-{block_bytes}-{rep}"
+            keys = _keys(n, f"{which}-{rep}")
+            entry = _entries(root, which, max(2 * total, 1 << 20))
+            eng = Engine(entry, block_bytes, cpu_chunks)
+            try:
+                w = eng.write(keys, data, args.batch)
+                w_clock = eng.clock
+            finally:
+                eng.close()
+            progress(f"{which} {block_bytes >> 10} KiB write")
+            eng = Engine(entry, block_bytes, cpu_chunks)
+            try:
+                r = eng.read(keys, args.batch, args.requests_in_flight)
+                misses = eng.misses
+                r_clock = eng.clock
+            finally:
+                eng.close()
+            progress(f"{which} {block_bytes >> 10} KiB read")
+            steps = w_clock.steps + r_clock.steps
+            fig = TierFigures(
+                write_mb_s=n * block_bytes / w / 1e6,
+                read_mb_s=n * block_bytes / r / 1e6,
+                sched_ms_per_step=(w_clock.seconds + r_clock.seconds) * 1e3 / max(1, steps),
+                sched_us_per_block=(w_clock.seconds + r_clock.seconds) * 1e6 / (2 * n),
+                lookup_ms_per_step=r_clock.lookup_seconds * 1e3 / max(1, r_clock.steps),
+                steps=steps,
+                read_misses=misses,
+            )
+            if rep == 0 or fig.write_mb_s > best.write_mb_s:
+                best.write_mb_s = fig.write_mb_s
+            if rep == 0 or fig.read_mb_s > best.read_mb_s:
+                best.read_mb_s = fig.read_mb_s
+            if rep == 0 or fig.sched_us_per_block < best.sched_us_per_block:
+                best.sched_ms_per_step = fig.sched_ms_per_step
+                best.sched_us_per_block = fig.sched_us_per_block
+                best.lookup_ms_per_step = fig.lookup_ms_per_step
+                best.steps = fig.steps
+            best.read_misses = max(best.read_misses, fig.read_misses)
+            shutil.rmtree(root, ignore_errors=True)
+        out.tiers[which] = best
+    return out
+
+
+def measure_budget(base: Path, budget: int, args: argparse.Namespace, progress: Any) -> dict:
+    block_bytes = 256 << 10
+    n = 2 * budget // block_bytes
+    data = np.random.default_rng(1).integers(0, 256, (8, block_bytes), dtype=np.uint8)
+    used = {}
+    for which in ("vllm_fs", "kvoffload"):
+        root = base / f"{which}-budget"
+        eng = Engine(_entries(root, which, budget), block_bytes, 4 * args.batch)
+        try:
+            eng.write(_keys(n, f"budget-{which}"), data, args.batch)
+        finally:
+            eng.close()
+        used[which] = disk_bytes_in_use(root)
+        shutil.rmtree(root, ignore_errors=True)
+        progress(f"{which} budget")
+    return {"budget_bytes": budget, "written_bytes": n * block_bytes, "bytes_in_use": used}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return None if b == 0 else a / b
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvoffload.transfer.sizing import parse_bytes
+
+    sizes = [parse_bytes(s.strip()) for s in str(args.block_sizes).split(",") if s.strip()]
+    total = parse_bytes(args.total)
+    budget = parse_bytes(args.budget)
+    if args.batch < 1 or args.requests_in_flight < 1 or args.repeat < 1:
+        raise SystemExit("--batch, --requests-in-flight and --repeat must be positive")
+    import logging
+
+    # vLLM logs every tier's creation at INFO: keep the figures readable.
+    logging.getLogger("vllm").setLevel(logging.WARNING)
+    from vllm.v1.kv_offload.tiering.fs import io as fs_io
+
+    base_parent = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
+    base_parent.mkdir(parents=True, exist_ok=True)
+    base = Path(tempfile.mkdtemp(prefix="kvoffload-bench-tiers-vllm-", dir=base_parent))
+    phases = 4 * len(sizes) * args.repeat + 2
+    try:
+        with _progress(not args.json, phases) as progress:
+            per_size = [measure_size(base, b, total, args, progress) for b in sizes]
+            use = measure_budget(base, budget, args, progress)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    result: dict[str, Any] = {
+        "benchmark": "tiers-vllm",
+        "filesystem_dir": str(base_parent),
+        "vllm_fs_io": "C (vllm.fs_io_C)" if fs_io._HAS_FSIO_C else "python",
+        "sizes": [],
+        "disk_use": use,
+    }
+    for s in per_size:
+        k, v = s.tiers["kvoffload"], s.tiers["vllm_fs"]
+        result["sizes"].append(
+            {
+                "block_bytes": s.block_bytes,
+                "blocks": s.blocks,
+                "kvoffload": asdict(k),
+                "vllm_fs": asdict(v),
+                "ratio_write": _ratio(k.write_mb_s, v.write_mb_s),
+                "ratio_read": _ratio(k.read_mb_s, v.read_mb_s),
+                "ratio_sched_time": _ratio(k.sched_ms_per_step, v.sched_ms_per_step),
+                "ratio_sched_per_block": _ratio(k.sched_us_per_block, v.sched_us_per_block),
+            }
+        )
+    used = use["bytes_in_use"]
+    result["disk_use"]["ratio_to_budget"] = {
+        which: used[which] / use["budget_bytes"] for which in used
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print(result)
+    return 0
+
+
+@contextmanager
+def _progress(show: bool, total: int) -> Iterator[Callable[[str], None]]:
+    if not show:
+        yield lambda _what: None
+        return
+    from rich.progress import Progress
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task("tiers under vLLM", total=total)
+
+        def advance(what: str) -> None:
+            bar.update(task, advance=1, description=what)
+
+        yield advance
+
+
+def _print(result: dict[str, Any]) -> None:
+    print(
+        "kvoffload disk tier vs vLLM fs tier, both under vLLM's TieringOffloadingManager "
+        f"(vLLM fs I/O: {result['vllm_fs_io']}; dir {result['filesystem_dir']}; noisy wall clock)"
+    )
+    head = (
+        f"{'block':>8} {'tier':>10} {'write MB/s':>11} {'read MB/s':>10} "
+        f"{'sched ms/step':>14} {'sched us/block':>15} {'lookup ms/step':>15} {'misses':>7}"
+    )
+    print(head)
+    for s in result["sizes"]:
+        for which in ("vllm_fs", "kvoffload"):
+            f = s[which]
+            print(
+                f"{s['block_bytes'] >> 10:>6}Ki {which:>10} {f['write_mb_s']:>11.1f} "
+                f"{f['read_mb_s']:>10.1f} {f['sched_ms_per_step']:>14.3f} "
+                f"{f['sched_us_per_block']:>15.1f} "
+                f"{f['lookup_ms_per_step']:>15.3f} {f['read_misses']:>7}"
+            )
+        print(
+            f"{'':>8} {'ratio':>10} {_fmt(s['ratio_write']):>11} {_fmt(s['ratio_read']):>10} "
+            f"{_fmt(s['ratio_sched_time']):>14} {_fmt(s['ratio_sched_per_block']):>15}"
+        )
+    use = result["disk_use"]
+    mib = 1 << 20
+    print(
+        f"disk bytes in use after writing {use['written_bytes'] / mib:.0f} MiB "
+        f"(kvoffload budget {use['budget_bytes'] / mib:.0f} MiB):"
+    )
+    for which, used in use["bytes_in_use"].items():
+        print(
+            f"  {which:>10}: {used / mib:8.1f} MiB "
+            f"({use['ratio_to_budget'][which]:.2f}x the budget)"
+        )
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def main() -> int:  # pragma: no cover - for ``python -m``
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
