@@ -50,38 +50,39 @@ class _Shadow:
         self.history = history
         self.bip_period = bip_period
 
-    def access(self, key: OffloadKey, bip_admit: bool = False) -> int:
-        """Read ``key``: 1 if it hit, else 0 (a miss stores it; BIP admits it if ``bip_admit``)."""
-        main = self.main
-        if key in main:
-            main.move_to_end(key)
-            return 1
-        rejects = self.rejects
-        if key in rejects:
-            del rejects[key]
-            main[key] = None
-            return 1
-        mode = self.mode
-        if mode == ALL:
-            main[key] = None
-        elif mode == SECOND:
-            seen = self.seen
-            if key in seen:
+    def run(self, keys: Sequence[OffloadKey], bip_admit: bool) -> int:
+        """Read ``keys`` in turn; how many hit. A miss stores the key under this mode
+        (BIP: if ``bip_admit`` or its main part is not full yet, as the real cache)."""
+        main, rejects, cap, mode = self.main, self.rejects, self.capacity, self.mode
+        seen, history = self.seen, self.history
+        hits = 0
+        for key in keys:
+            if key in main:
+                main.move_to_end(key)
+                hits += 1
+                continue
+            if key in rejects:
+                del rejects[key]
+                main[key] = None
+                hits += 1
+                continue
+            if mode == ALL:
+                main[key] = None
+            elif mode == SECOND:
+                if key in seen:
+                    main[key] = None
+                else:
+                    rejects[key] = None
+                    seen[key] = None
+                    if len(seen) > history:
+                        seen.popitem(last=False)
+            elif bip_admit or len(main) < cap:
                 main[key] = None
             else:
                 rejects[key] = None
-                seen[key] = None
-                if len(seen) > self.history:
-                    seen.popitem(last=False)
-        else:
-            # As the real cache: BIP fills its main part, then admits one call in N.
-            if bip_admit or len(main) < self.capacity:
-                main[key] = None
-            else:
-                rejects[key] = None
-        while len(main) + len(rejects) > self.capacity:
-            (rejects or main).popitem(last=False)
-        return 0
+            if len(main) + len(rejects) > cap:
+                (rejects or main).popitem(last=False)
+        return hits
 
 
 class ArmsChainLRUPolicy(SecondSightPolicy):
@@ -119,27 +120,26 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
 
     def _observe(self, keys: Sequence[OffloadKey]) -> None:
         mask = self.rate_mask
+        sample = [k for k in keys if (k[-5] & mask) == 0] if mask else keys
+        if not sample:
+            return
         a, b, c = self.shadows
-        keep = self._keep
-        sa, sb, sc = self.scores
-        seen = False
         bip_admit = self._calls % self.bip_period == 0
-        for k in keys:
-            if len(k) > 4 and (k[-5] & mask) == 0:
-                sa = sa * keep + a.access(k)
-                sb = sb * keep + b.access(k)
-                sc = sc * keep + c.access(k, bip_admit)
-                seen = True
-        if seen:
-            self._calls += 1
-            self.scores = [sa, sb, sc]
-            # BIP's shadow flatters it (per key, where the real cache admits per store):
-            # it must lead by a factor, which a loop (where the others hit ~0) gives.
-            eff = (sa, sb / self.second_lead, sc / self.bip_lead)
-            cur = self.mode
-            best = max(range(3), key=eff.__getitem__)
-            if best != cur and eff[best] > eff[cur] + self.switch_margin:
-                self.mode = best
+        self._calls += 1
+        # Scores decay per sampled read; within one call the reads count as one batch.
+        decay = self._keep ** len(sample)
+        sa, sb, sc = self.scores
+        sa = sa * decay + a.run(sample, False)
+        sb = sb * decay + b.run(sample, False)
+        sc = sc * decay + c.run(sample, bip_admit)
+        self.scores = [sa, sb, sc]
+        # BIP's shadow flatters it (per key, where the real cache admits per store):
+        # it must lead by a factor, which a loop (where the others hit ~0) gives.
+        eff = (sa, sb / self.second_lead, sc / self.bip_lead)
+        cur = self.mode
+        best = max(range(3), key=eff.__getitem__)
+        if best != cur and eff[best] > eff[cur] + self.switch_margin:
+            self.mode = best
 
     def admit_all(self) -> bool:
         return self.mode == ALL
