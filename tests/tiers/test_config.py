@@ -110,3 +110,19 @@ def test_identity_is_checked() -> None:
         TierIdentity(model_id="", hash_fn="sha256")
     with pytest.raises(TierConfigError, match="rank 2 of 2"):
         TierIdentity(model_id="m", hash_fn="sha256", tp_rank=2, tp_size=2)
+
+
+def test_the_cli_builds_it_with_a_byte_budget(tmp_path) -> None:
+    import argparse
+
+    from kvoffload.cli.engine_args import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args(["--disk-dir", str(tmp_path), "--disk-bytes", "1GiB"])
+    c = engine_config_from_args(args, store_mode="eager").tier_config()
+    assert c is not None
+    assert (c.disk_dir, c.disk_bytes, c.disk_blocks) == (str(tmp_path), 1 << 30, None)
+    assert c.redis_url is None
+    with pytest.raises(ValueError, match="disk_bytes needs disk_dir"):
+        EngineConfig(disk_bytes=1 << 20)

@@ -115,6 +115,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.num_disk_blocks,
     )
     o.add_argument(
+        "--disk-bytes",
+        type=byte_size,
+        default=None,
+        help="disk-tier byte budget (e.g. 1TiB); overrides --disk-blocks",
+    )
+    o.add_argument(
         "--redis-url",
         type=argtypes.redis_url,
         default=None,
@@ -160,6 +166,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
             "cache_policy",
             "disk_dir",
             "num_disk_blocks",
+            "disk_bytes",
             "redis_url",
             "write_through",
             "events_endpoint",

@@ -97,6 +97,8 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.hash_seed must be a string or None, got {self.hash_seed!r}"
             )
+        if self.disk_bytes is not None and self.disk_dir is None:
+            raise ValueError("EngineConfig.disk_bytes needs disk_dir (the disk tier's directory)")
         if self.has_lower_tiers:
             self.tier_config()  # checks the lower tiers' settings now, before any work
         from kvoffload.events.types import check_profile
