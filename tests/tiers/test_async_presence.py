@@ -157,3 +157,22 @@ def test_lookups_do_not_wait_for_a_slow_real_redis(redis_server: RedisServer) ->
         b.close()
         a.close()
         proxy.close()
+
+
+def test_the_tiered_manager_says_when_a_lookup_may_grow(server: Server) -> None:
+    from kvoffload.offload import CPUOffloadingManager
+    from kvoffload.offload.tiered_manager import TieredOffloadingManager
+
+    ks = [tkey(i) for i in range(3)]
+    server.keys = {bytes(k) for k in ks[:2]}
+    remote = RemoteOffloadingManager(server.exists, presence=PresenceCache(server.exists))
+    m = TieredOffloadingManager(CPUOffloadingManager(4, "lru"), [remote])
+    try:
+        server.gate.clear()
+        assert m.lookup(ks) == 0 and m.lookup_pending(ks, 0)  # being asked: try next step
+        server.gate.set()
+        assert remote.presence is not None and remote.presence.wait_idle(10)
+        assert m.lookup(ks) == 2 and not m.lookup_pending(ks, 2)  # asked: ks[2] is absent
+        assert not m.lookup_pending(ks, 3)
+    finally:
+        remote.close()

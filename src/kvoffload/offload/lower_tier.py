@@ -151,3 +151,10 @@ class LowerTierManager(OffloadingManager):
     @abstractmethod
     def drop(self, keys: Sequence[OffloadKey]) -> None:
         """Forget stored ``keys`` (pinned ones when unpinned); unknown ones are ignored."""
+
+    def awaiting(self, key: OffloadKey) -> bool:
+        """Whether this tier is still finding out if it holds ``key`` (asked off-thread).
+
+        Local tiers always know: False.
+        """
+        return False

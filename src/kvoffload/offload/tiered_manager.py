@@ -238,6 +238,20 @@ class TieredOffloadingManager(OffloadingManager):
             n += 1
         return n
 
+    def lookup_pending(self, keys: Sequence[OffloadKey], hit: int) -> bool:
+        """After ``lookup(keys)`` returned ``hit``: whether the run may grow once a lower
+        tier that answers off the scheduler thread has answered for ``keys[hit]``.
+
+        A caller that can defer a request (vLLM's "lookup in progress") asks
+        again next step instead of recomputing what another engine stored.
+        """
+        if hit >= len(keys):
+            return False
+        k = keys[hit]
+        if self.cpu.is_stored(k) or self.cpu.is_storing(k):
+            return False
+        return any(t.awaiting(k) for t in self.lower)
+
     def prepare_load(self, keys: Sequence[OffloadKey]) -> LoadStoreSpec:
         keys = list(keys)
         if len(set(keys)) != len(keys):

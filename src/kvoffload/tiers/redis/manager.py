@@ -125,6 +125,12 @@ class RemoteOffloadingManager(LowerTierManager):
                 self._events.append(OffloadingEvent(gone, REMOTE_MEDIUM, removed=True))
         return mask
 
+    def awaiting(self, key: OffloadKey) -> bool:
+        """Whether presence of ``key`` is still being asked (a lookup could hit next step)."""
+        if self.presence is None or key in self._storing:
+            return False
+        return self.presence.unanswered([key])[0]
+
     def is_stored(self, key: OffloadKey) -> bool:
         return self.stored_mask([key])[0]
 

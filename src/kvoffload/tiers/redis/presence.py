@@ -82,6 +82,12 @@ class PresenceCache:
                 self._queue(ask)
         return out
 
+    def unanswered(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether the server has not been asked about it yet (a lookup may wait)."""
+        with self._cond:
+            known = self._known
+            return [bytes(k) not in known for k in keys]
+
     def prefetch(self, keys: Iterable[bytes]) -> None:
         """Queue ``keys`` that are not known present (a request that will look them up)."""
         with self._cond:
