@@ -96,6 +96,31 @@ def test_disk_serves_an_evicted_prefix_to_both_ranks(
         rig.shutdown()
 
 
+def test_offloaded_blocks_of_two_gpu_blocks_come_back_from_disk(
+    pool: WorkerPool, tmp_path: Path
+) -> None:
+    """``block_size`` 32 over 16-token GPU blocks: each shared row holds two GPU blocks a rank."""
+    extra = {
+        "cpu_bytes": 3 * 2 * ROW_BYTES,
+        "disk_dir": str(tmp_path / "disk"),
+        "disk_bytes": "1MiB",
+        "block_size": 2 * BLOCK_SIZE,
+    }
+    os.makedirs(extra["disk_dir"])
+    rig = TPRig.build(pool, tmp_path, extra)
+    try:
+        rig.add(PROMPT, req_id="first")
+        rig.run()
+        flood(rig)
+        before = rig.rank_stats()
+        chunks = len(PROMPT) // (2 * BLOCK_SIZE)
+        assert serve_again(rig, "again") == chunks * 2 * BLOCK_SIZE
+        assert rig.manager.promotions_by_tier == {0: chunks}
+        assert_served_on_both_ranks(rig, 2 * chunks, before)
+    finally:
+        rig.shutdown()
+
+
 @pytest.mark.redis
 def test_disk_then_redis_serve_an_evicted_prefix_to_both_ranks(
     pool: WorkerPool, tmp_path: Path, redis_server: Any, record_property: Any

@@ -80,3 +80,32 @@ def cpu_offloading_info(config: object, num_chunks: int, kv_bytes_per_chunk: int
     except ImportError:  # 0.32
         return None
     return CPUOffloadingInfo.from_config(config, num_chunks, kv_bytes_per_chunk)
+
+
+# -- vLLM's CachePolicy (kvoffload's policies inside vLLM's CPU tier) ------------------------
+
+#: 0.33 calls ``CachePolicy.insert(key, chunk, req_context)``; 0.32 calls
+#: ``insert(key, chunk)``, so kvoffload's policy classes take ``req_context=None``.
+#: 0.32 also never calls ``on_request_access`` (0.33's first-access hook): there
+#: kvoffload's policies get no chain hints from it, only from stores and touches.
+POLICY_INSERT_TAKES_CONTEXT: dict[tuple[int, int], bool] = {(0, 32): False, (0, 33): True}
+
+
+def pin_shared_region(region: object) -> None:
+    """Page-lock this worker's part of vLLM's shared offload region, on a CUDA machine.
+
+    vLLM's own pinning helper: 0.33 registers only this rank's slots
+    (``worker_slot_only``), 0.32 the whole mapping. Pageable memory still
+    works (copies are then synchronous); a refusal is logged by vLLM.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    from vllm.v1.kv_offload.cpu.gpu_worker import pin_mmap_region
+
+    _call_accepted(pin_mmap_region, region, worker_slot_only=True)
+
+
+def _call_accepted(fn: object, *args: object, **kwargs: object) -> object:
+    return fn(*args, **_accepted(fn, kwargs))  # type: ignore[operator]

@@ -127,12 +127,6 @@ class KVOffloadSpec(OffloadingSpec):
                     f"{format_bytes(self.settings.cpu_bytes)} is smaller than one offloaded "
                     f"block on {world} worker(s) ({row} bytes)"
                 )
-        if self.tiered and self.blocks_per_chunk != 1:
-            raise KVOffloadConfigError(
-                "kv_connector_extra_config['block_size']: with disk_dir / redis_url the "
-                "offloaded block must be the GPU block (blocks_per_chunk 1), got "
-                f"{self.blocks_per_chunk} GPU blocks per offloaded block"
-            )
         #: vLLM's name for the CPU tier's size in chunks (read by vLLM's tiers).
         self.num_chunks = self.num_slots
         self.identity = model_identity(config)
@@ -235,17 +229,19 @@ class KVOffloadSpec(OffloadingSpec):
             return KVOffloadWorker(
                 layout, views, host_pool, recover_failed_loads=self.recover_failed_loads
             )
-        host_pool, region = self._shared_host_pool(layout)
+        pools, region = self._shared_host_pools(layout)
         return KVOffloadWorker(
             layout,
             views,
-            host_pool,
+            pools[0],
             recover_failed_loads=self.recover_failed_loads,
             on_shutdown=region.cleanup,
+            sub_block_pools=pools,
         )
 
-    def _shared_host_pool(self, layout: KVLayout) -> tuple[HostPool, Any]:
-        """This rank's shard of the shared region, as a host pool of ``layout``."""
+    def _shared_host_pools(self, layout: KVLayout) -> tuple[list[HostPool], Any]:
+        """This rank's shard of the shared region: one pool of one-block slots per
+        sub-block position of an offloaded block (``blocks_per_chunk`` of them)."""
         from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 
         region = SharedOffloadRegion(
@@ -256,18 +252,31 @@ class KVOffloadSpec(OffloadingSpec):
             self.cpu_page_size_per_worker,
         )
         try:
+            from kvoffload.integrations.vllm import compat
+
+            f = self.blocks_per_chunk
             row = layout.plane_row_bytes
             shape = layout.tensor_shape(self.num_slots)[1:]
-            tensors = [
-                region.create_next_worker_view(row).view(torch.uint8).view(self.num_slots, *shape)
+            # Per plane: (num_chunks, f * row), rows strided by the region's row.
+            areas = [
+                region.create_next_worker_view(f * row).view(torch.uint8)
                 for _ in range(layout.num_planes)
             ]
-            host_pool = HostPool.over_tensors(layout, tensors, 1, pinned=region.is_pinned)
+            compat.pin_shared_region(region)
+            pools = [
+                HostPool.over_tensors(
+                    layout,
+                    [a[:, j * row : (j + 1) * row].view(self.num_slots, *shape) for a in areas],
+                    1,
+                    pinned=bool(region.is_pinned),
+                )
+                for j in range(f)
+            ]
         except Exception:
             region.cleanup()
             raise
         self._region = region
-        return host_pool, region
+        return pools, region
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -26,7 +26,7 @@ was never written.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,10 +40,12 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
+from kvoffload.integrations.vllm.chunk_rows import ChunkSplitHandler
 from kvoffload.integrations.vllm.manager import KVOffloadJobSpec
 from kvoffload.offload import CPULoadStoreSpec as KVCPUSpec
 from kvoffload.offload import GPULoadStoreSpec as KVGPUSpec
 from kvoffload.transfer import HostPool, KVGeometry, KVLayout
+from kvoffload.transfer.handler import TransferHandler
 from kvoffload.transfer.worker import OffloadingWorker as KVWorker
 from kvoffload.transfer.worker import make_cpu_gpu_handler
 
@@ -103,6 +105,8 @@ class KVOffloadWorker(OffloadingWorker):
 
     ``lower``: the disk/Redis tiers under the CPU tier, if any (their handlers
     get registered here). ``recover_failed_loads``: see the module docstring.
+    ``sub_block_pools``: with offloaded blocks of ``f > 1`` GPU blocks in
+    vLLM's shared rows, the ``f`` one-block pools (``host_pool`` is the first).
     """
 
     def __init__(
@@ -114,6 +118,7 @@ class KVOffloadWorker(OffloadingWorker):
         recover_failed_loads: bool = False,
         num_threads: int = 2,
         on_shutdown: Callable[[], None] | None = None,
+        sub_block_pools: Sequence[HostPool] | None = None,
     ) -> None:
         self.layout = layout
         self.gpu_tensors = gpu_tensors
@@ -122,7 +127,15 @@ class KVOffloadWorker(OffloadingWorker):
         self.recover_failed_loads = recover_failed_loads
         self.on_shutdown = on_shutdown
         self.worker = KVWorker()
-        handler = make_cpu_gpu_handler(gpu_tensors, layout, host_pool, num_threads)
+        handler: TransferHandler
+        if sub_block_pools is not None and len(sub_block_pools) > 1:
+            # Offloaded blocks of several GPU blocks in vLLM's shared rows: one pool
+            # per sub-block position (see chunk_rows).
+            handler = ChunkSplitHandler(
+                [make_cpu_gpu_handler(gpu_tensors, layout, p, num_threads) for p in sub_block_pools]
+            )
+        else:
+            handler = make_cpu_gpu_handler(gpu_tensors, layout, host_pool, num_threads)
         self.worker.register_handler(GPU, CPU, handler)
         self.worker.register_handler(CPU, GPU, handler)
         if lower is not None:
