@@ -22,7 +22,6 @@ namespace prefix, so engines that differ never see each other's blocks.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -33,7 +32,7 @@ from kvoffload.offload.cpu_manager import CPUOffloadingManager
 from kvoffload.offload.lower_tier import DISK_MEDIUM, REMOTE_MEDIUM, TIERED_MEDIUM, LowerTierManager
 from kvoffload.offload.media import CPU_MEDIUM, GPU_MEDIUM
 from kvoffload.offload.tiered_manager import TieredOffloadingManager
-from kvoffload.tiers.config import TierConfig, TierConfigError, TierIdentity
+from kvoffload.tiers.config import TierConfig, TierIdentity
 from kvoffload.tiers.disk.handler import DiskTransferHandler
 from kvoffload.tiers.disk.manager import DiskOffloadingManager
 from kvoffload.tiers.disk.store import DiskBlockStore
@@ -179,52 +178,3 @@ def make_tiers(
                 s.close()
         raise
     return LowerTiers(manager, handler, disk_store, redis_store, disk_handler, redis_handler)
-
-
-def make_lower_tiers(
-    cpu: CPUOffloadingManager,
-    host_pool: HostPool,
-    gpu_tensors: Sequence[torch.Tensor],
-    layout: KVLayout,
-    *,
-    hash_fn: str,
-    model_id: str,
-    hash_seed: str | None = "",
-    kv_quant: str = "none",
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    disk_dir: str | os.PathLike[str] | None = None,
-    disk_blocks: int | None = None,
-    disk_bytes: int | str | None = None,
-    redis_url: str | None = None,
-    redis_namespace: str = "kvoffload",
-    redis_ttl_s: float | None = None,
-    redis_timeout_s: float = 0.5,
-    write_mode: str = "write_back",
-    enable_events: bool = True,
-    num_threads: int = 2,
-    direct_io: bool | None = None,
-) -> LowerTiers:
-    """Deprecated keyword form of ``make_tiers``.
-
-    Kept only until every caller passes a ``TierConfig``; new code calls ``make_tiers``.
-    """
-    identity = TierIdentity(model_id, hash_fn, hash_seed, kv_quant, tp_rank, tp_size)
-    tier_config = TierConfig.from_mapping(
-        {
-            "disk_dir": None if disk_dir is None else os.fspath(disk_dir),
-            "disk_blocks": disk_blocks,
-            "disk_bytes": disk_bytes,
-            "redis_url": redis_url,
-            "redis_namespace": redis_namespace,
-            "redis_ttl_s": redis_ttl_s,
-            "redis_timeout_s": redis_timeout_s,
-            "write_mode": write_mode,
-            "enable_events": enable_events,
-            "num_threads": num_threads,
-            "direct_io": direct_io,
-        }
-    )
-    if tier_config is None:
-        raise TierConfigError("make_lower_tiers needs a disk_dir, a redis_url, or both")
-    return make_tiers(cpu, host_pool, gpu_tensors, layout, tier_config, identity)
