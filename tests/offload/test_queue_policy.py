@@ -1,0 +1,322 @@
+"""The queue-aware default (``queue_arms``) and its inner ``chain_arms``, against a reference model.
+
+The model knows only the contract: which requests wait (in queue order) and
+which keys each needs. From it follow the properties checked on every store:
+a key some waiting request needs is evicted only once no other evictable key
+is left, and then the one needed farthest ahead goes first; a dequeued
+request's keys are no longer protected. Hints are also checked to cost no
+scan of the stored blocks (Python line events counted, not time), and the
+loop shape to keep part of its working set.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from kvoffload.bench.offload import belady_hit_rate, replay
+from kvoffload.bench.traces import LOOP_CAPACITY, generate, trace_keys
+from kvoffload.offload import CPUOffloadingManager, OffloadKey
+from kvoffload.offload.policies.arms import BIP, ArmsChainLRUPolicy
+from kvoffload.offload.policies.queue import QueueArmsPolicy, QueueAwarePolicy
+from tests.offload.keyutil import key, keys
+
+
+def store(m: CPUOffloadingManager, ks: Sequence[OffloadKey]) -> list[OffloadKey]:
+    out = m.prepare_store(ks)
+    assert out is not None
+    m.complete_store(out.keys_to_store, success=True)
+    return out.evicted_keys
+
+
+def policy_of(m: CPUOffloadingManager) -> QueueAwarePolicy:
+    assert isinstance(m.policy, QueueAwarePolicy)
+    return m.policy
+
+
+# -- unit behaviour ------------------------------------------------------------------------
+
+
+def test_a_hinted_block_outlives_every_unhinted_one_and_is_released_on_dequeue() -> None:
+    m = CPUOffloadingManager(4, "queue_arms")
+    store(m, keys(1, 2, 3, 4))
+    m.hint_queued("r", keys(2))
+    assert policy_of(m).is_held(key(2))
+    evicted: list[OffloadKey] = []
+    for i in range(10, 20):
+        evicted += store(m, keys(i))
+    assert key(2) not in evicted and m.is_stored(key(2))
+    assert {key(1), key(3), key(4)} <= set(evicted)
+    m.hint_dequeued("r")
+    assert not policy_of(m).is_held(key(2))
+    # Released: an ordinary key again, which a store needing every slot may take.
+    assert key(2) in store(m, keys(40, 41, 42, 43))
+
+
+def test_when_full_of_needed_keys_the_farthest_need_goes_first() -> None:
+    m = CPUOffloadingManager(3, "queue_arms")
+    store(m, keys(1))
+    store(m, keys(2))
+    store(m, keys(3))
+    m.hint_queued("a", keys(1))  # needed first
+    m.hint_queued("b", keys(2))
+    m.hint_queued("c", keys(3))  # needed last
+    assert store(m, keys(9)) == keys(3)
+    m.hint_queued("d", keys(9))
+    assert store(m, keys(8)) == keys(9)  # d waits behind b: 9 is needed after 2
+
+
+def test_within_one_request_the_tail_goes_before_the_head() -> None:
+    m = CPUOffloadingManager(3, "queue_arms")
+    store(m, keys(1, 2, 3))
+    m.hint_queued("a", keys(1, 2, 3))
+    assert store(m, keys(7)) == keys(3)
+    assert store(m, keys(8, 9)) == keys(7, 2)  # the unneeded 7 first, then the tail
+
+
+def test_a_key_queued_before_it_is_stored_is_held_once_stored() -> None:
+    m = CPUOffloadingManager(2, "queue_arms")
+    m.hint_queued("a", keys(5))
+    store(m, keys(5))
+    assert policy_of(m).is_held(key(5))
+    for i in range(10, 16):
+        assert key(5) not in store(m, keys(i))
+
+
+def test_the_same_key_in_two_requests_is_held_until_both_leave() -> None:
+    m = CPUOffloadingManager(2, "queue_arms")
+    store(m, keys(1))
+    m.hint_queued("a", keys(1))
+    m.hint_queued("b", keys(1))
+    m.hint_dequeued("a")
+    assert policy_of(m).is_held(key(1))
+    m.hint_dequeued("b")
+    assert not policy_of(m).is_held(key(1))
+    m.hint_dequeued("b")  # again: ignored
+
+
+def test_requeueing_an_id_replaces_its_keys() -> None:
+    m = CPUOffloadingManager(4, "queue_arms")
+    store(m, keys(1, 2))
+    m.hint_queued("a", keys(1))
+    m.hint_queued("a", keys(2))
+    p = policy_of(m)
+    assert p.is_held(key(2)) and not p.is_held(key(1))
+
+
+def test_pinned_held_keys_are_not_evictable_and_loads_still_work() -> None:
+    m = CPUOffloadingManager(2, "queue_arms")
+    store(m, keys(1, 2))
+    m.hint_queued("a", keys(1, 2))
+    m.prepare_load(keys(1))
+    assert m.num_evictable_blocks() == 1
+    assert store(m, keys(3)) == keys(2)
+    assert m.prepare_store(keys(4, 5)) is None  # 1 is pinned, 3 is being... stored: no room
+    m.complete_load(keys(1))
+    assert m.num_evictable_blocks() == 2
+
+
+def test_continue_marks_are_a_soft_priority() -> None:
+    m = CPUOffloadingManager(4, "queue_arms")
+    store(m, keys(1, 2, 3, 4))
+    m.hint_continues(keys(1))
+    m.hint_queued("q", keys(2))
+    evicted: list[OffloadKey] = []
+    evicted += store(m, keys(10, 11))
+    assert key(1) not in evicted and key(2) not in evicted
+    # Three slots needed, two unmarked and unheld keys: the mark gives way, the hold does not.
+    assert set(store(m, keys(12, 13, 14))) == {key(10), key(11), key(1)}
+
+
+def test_continue_marks_keep_at_most_half_the_tier() -> None:
+    p = QueueArmsPolicy(8)
+    p.insert(keys(*range(8)))
+    p.hint_continues(keys(*range(8)))
+    assert len(p._marked) == 4  # the oldest marks went back to the inner policy
+    assert len(p) == 8 and p.num_evictable() == 8
+
+
+def test_without_hints_it_is_its_inner_policy() -> None:
+    trace = trace_keys(generate("mixed", 200, seed=4))
+    for cap in (40, 400):
+        a = replay(trace, "queue_arms", cap)
+        b = replay(trace, "chain_arms", cap)
+        assert a.hit_blocks == b.hit_blocks
+
+
+# -- hints cost no scan ---------------------------------------------------------------------
+
+
+def _line_events(fn: Callable[[], None]) -> int:
+    count = 0
+
+    def tracer(frame, event, arg):  # type: ignore[no-untyped-def]
+        nonlocal count
+        if event == "line":
+            count += 1
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def _hint_cost(stored: int) -> int:
+    m = CPUOffloadingManager(stored, "queue_arms")
+    for i in range(0, stored, 50):
+        store(m, keys(*range(i, min(i + 50, stored))))
+    m.hint_queued("warm", keys(0, 1, 2))
+    m.hint_dequeued("warm")
+    want = keys(3, 4, 5, stored + 1)
+
+    def hints() -> None:
+        m.hint_queued("r", want)
+        m.hint_continues(keys(7))
+        m.hint_dequeued("r")
+
+    return _line_events(hints)
+
+
+def test_hints_cost_about_the_same_for_a_tier_100_times_larger() -> None:
+    small, large = _hint_cost(100), _hint_cost(10_000)
+    assert small > 0
+    # The inner policy's state differs a little between the two; a scan of 10,000
+    # stored keys would cost at least 10,000 line events.
+    assert large < 2 * small + 100 and large < 2_000
+
+
+def test_a_store_with_held_keys_does_not_scan_them() -> None:
+    def cost(held: int) -> int:
+        m = CPUOffloadingManager(held + 1, "queue_arms")
+        store(m, keys(*range(held + 1)))
+        m.hint_queued("r", keys(*range(held)))  # all but one held
+        store(m, keys(10**6))  # warm: evicts the one unheld key
+        return _line_events(lambda: store(m, keys(10**6 + 1)))  # evicts a held key
+
+    assert cost(10_000) <= cost(100) + 20  # a heap pop or two more, not a scan
+
+
+# -- loops ----------------------------------------------------------------------------------
+
+
+def test_a_loop_twice_the_tier_keeps_half_of_beladys_hits() -> None:
+    trace = trace_keys(generate("loop", 400, seed=0))
+    unique = len({k for t in trace for k in t})
+    cap = round(unique * float(LOOP_CAPACITY.rstrip("%")) / 100)
+    bound = belady_hit_rate(trace, cap)
+    assert replay(trace, "lru", cap).hit_rate == 0.0
+    for name in ("chain_arms", "queue_arms"):
+        assert replay(trace, name, cap).hit_rate >= 0.5 * bound, name
+
+
+def test_a_loop_switches_chain_arms_to_bip() -> None:
+    m = CPUOffloadingManager(60, "chain_arms")
+    prompts = [keys(*range(100 * p, 100 * p + 30)) for p in range(4)]  # 120 blocks in turn
+    for _ in range(20):
+        for ks in prompts:
+            hit = m.lookup(ks)
+            if hit:
+                m.prepare_load(ks[:hit])
+                m.complete_load(ks[:hit])
+            store(m, ks[hit:])
+    assert isinstance(m.policy, ArmsChainLRUPolicy) and m.policy.mode == BIP
+
+
+# -- against a reference model ---------------------------------------------------------------
+
+
+class QueueModel(RuleBasedStateMachine):
+    """Random stores, loads and queue hints on a small tier; properties from the model."""
+
+    CAP = 6
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = CPUOffloadingManager(self.CAP, "queue_arms")
+        self.queue: dict[str, tuple[int, list[OffloadKey]]] = {}  # id -> (seq, unique keys)
+        self.seq = 0
+        self.next_id = 0
+
+    def rank(self, k: OffloadKey) -> tuple[int, int] | None:
+        """(queue seq, position) of the nearest waiting request needing ``k``."""
+        best = None
+        for seq, ks in self.queue.values():
+            if k in ks:
+                r = (seq, ks.index(k))
+                best = r if best is None or r < best else best
+        return best
+
+    def stored(self) -> set[OffloadKey]:
+        return {k for k in map(key, range(20)) if self.m.is_stored(k)}
+
+    @rule(ids=st.lists(st.integers(0, 19), min_size=1, max_size=4, unique=True))
+    def store_keys(self, ids: list[int]) -> None:
+        ks = keys(*ids)
+        before = self.stored()
+        out = self.m.prepare_store(ks)
+        if out is None:
+            return
+        self.m.complete_store(out.keys_to_store, success=True)
+        evicted = set(out.evicted_keys)
+        # Candidates the store could have taken (its own stored keys are protected).
+        free = before - set(ks)
+        needed = {k for k in free if self.rank(k) is not None}
+        unneeded = free - needed
+        taken_needed = evicted & needed
+        if taken_needed:
+            assert unneeded <= evicted, "a needed key went while an unneeded one stayed"
+            kept = needed - evicted
+            if kept:
+                lowest_taken = min(self.rank(k) for k in taken_needed)  # type: ignore[type-var]
+                highest_kept = max(self.rank(k) for k in kept)  # type: ignore[type-var]
+                assert lowest_taken > highest_kept, "a nearer need went before a farther one"
+
+    @rule(ids=st.lists(st.integers(0, 19), min_size=1, max_size=5))
+    def queue_request(self, ids: list[int]) -> None:
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        ks = keys(*ids)
+        self.m.hint_queued(rid, ks)
+        self.queue[rid] = (self.seq, list(dict.fromkeys(ks)))
+        self.seq += 1
+
+    @rule(pick=st.integers(0, 7))
+    def dequeue_request(self, pick: int) -> None:
+        if not self.queue:
+            self.m.hint_dequeued("nobody")
+            return
+        rid = sorted(self.queue)[pick % len(self.queue)]
+        del self.queue[rid]
+        self.m.hint_dequeued(rid)
+
+    @rule(ids=st.lists(st.integers(0, 19), min_size=1, max_size=4, unique=True))
+    def load(self, ids: list[int]) -> None:
+        ks = keys(*ids)
+        hit = self.m.lookup(ks)
+        if hit:
+            self.m.prepare_load(ks[:hit])
+            self.m.complete_load(ks[:hit])
+        self.m.touch(ks)
+
+    @rule(ids=st.lists(st.integers(0, 19), min_size=1, max_size=3, unique=True))
+    def continues(self, ids: list[int]) -> None:
+        self.m.hint_continues(keys(*ids))
+
+    @invariant()
+    def held_is_exactly_the_needed_stored_keys(self) -> None:
+        p = policy_of(self.m)
+        for k in self.stored():
+            assert p.is_held(k) == (self.rank(k) is not None)
+        assert len(p) == len(self.stored())
+        assert p.num_evictable() == len(self.stored())  # nothing pinned between rules
+
+
+TestQueueModel = QueueModel.TestCase
+TestQueueModel.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
