@@ -37,8 +37,17 @@ PAIRS = [
 ]
 
 
-def chain(c: int, n: int) -> list[OffloadKey]:
-    return [key(c * 100 + j) for j in range(n)]
+def chain(c: int, n: int, repeat: int | None = None) -> list[OffloadKey]:
+    """``n`` keys of chain ``c``; ``repeat``: that key named a second time, right after itself."""
+    keys = [key(c * 100 + j) for j in range(n)]
+    if repeat is not None:
+        j = repeat % n
+        keys.insert(j, keys[j])
+    return keys
+
+
+#: Sometimes a key twice in one call (a policy once raised KeyError on touch([k, k])).
+repeats = st.one_of(st.none(), st.integers(0, CHAIN_LEN - 1))
 
 
 @dataclass
@@ -65,7 +74,7 @@ class TieredMachine(RuleBasedStateMachine):
         mode=st.sampled_from(["write_back", "write_through"]),
         cpu_blocks=st.integers(1, 4),
         disk_blocks=st.integers(1, 5),
-        policy=st.sampled_from(["lru", "chain_lru", "arc"]),
+        policy=st.sampled_from(["lru", "chain_lru", "arc", "lru_admit", "arc_admit", "chain_duel"]),
     )
     def start(self, tiers: str, mode: str, cpu_blocks: int, disk_blocks: int, policy: str) -> None:
         lower: list[LowerTierManager] = []
@@ -82,9 +91,9 @@ class TieredMachine(RuleBasedStateMachine):
 
     # -- the connector's moves ------------------------------------------------
 
-    @rule(c=st.integers(0, CHAINS - 1), n=st.integers(1, CHAIN_LEN))
-    def store(self, c: int, n: int) -> None:
-        keys = [k for k in chain(c, n) if k not in self.in_flight_store_keys]
+    @rule(c=st.integers(0, CHAINS - 1), n=st.integers(1, CHAIN_LEN), repeat=repeats)
+    def store(self, c: int, n: int, repeat: int | None = None) -> None:
+        keys = [k for k in chain(c, n, repeat) if k not in self.in_flight_store_keys]
         if not keys:
             return
         out = self.m.prepare_store(keys)
@@ -98,16 +107,25 @@ class TieredMachine(RuleBasedStateMachine):
 
     @rule(c=st.integers(0, CHAINS - 1), n=st.integers(1, CHAIN_LEN))
     def load(self, c: int, n: int) -> None:
-        keys = chain(c, n)
+        keys = chain(c, n)  # distinct: the tiered manager refuses a load naming a key twice
         hit = self.m.lookup(keys)
         if hit == 0:
             return
         spec = self.m.prepare_load(keys[:hit])
         self.jobs.append(Job(keys[:hit], spec, self.gpu_spec(hit), False))
 
-    @rule(c=st.integers(0, CHAINS - 1), n=st.integers(1, CHAIN_LEN))
-    def touch(self, c: int, n: int) -> None:
-        self.m.touch(chain(c, n))
+    @rule(c=st.integers(0, CHAINS - 1), n=st.integers(1, CHAIN_LEN), repeat=repeats)
+    def touch(self, c: int, n: int, repeat: int | None = None) -> None:
+        self.m.touch(chain(c, n, repeat))
+
+    @rule(data=st.data())
+    def touch_cpu_blocks_twice(self, data: st.DataObject) -> None:
+        """A touch naming blocks the CPU tier holds, each twice."""
+        cpu = self.m.cpu
+        held = [k for c in range(CHAINS) for k in chain(c, CHAIN_LEN) if cpu.is_stored(k)]
+        if held:
+            some = st.lists(st.sampled_from(held), min_size=1, max_size=3)
+            self.m.touch(data.draw(some.flatmap(lambda ks: st.permutations(ks * 2))))
 
     @precondition(lambda self: self.jobs)
     @rule(
