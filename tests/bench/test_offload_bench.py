@@ -16,7 +16,12 @@ from kvoffload.bench.offload import (
 )
 from kvoffload.bench.traces import KINDS, generate, load_trace, save_trace, trace_keys
 from kvoffload.cli.main import main
-from kvoffload.offload import DEFAULT_CACHE_POLICY, make_offload_key, policy_names
+from kvoffload.offload import (
+    DEFAULT_CACHE_POLICY,
+    CPUOffloadingManager,
+    make_offload_key,
+    policy_names,
+)
 
 
 def k(c: str) -> bytes:
@@ -150,3 +155,94 @@ def test_vllm_rows_show_unavailable_without_vllm(monkeypatch: pytest.MonkeyPatch
     report = bench(ids_trace([1, 2], [1, 2]), ["2"], ["lru"])
     assert report["vllm"] == "vLLM unavailable (test)"
     assert [r["policy"] for r in report["results"]] == ["lru"]  # type: ignore[union-attr]
+
+
+def test_only_full_blocks_are_replayed() -> None:
+    # 1,100 tokens: two full 512-token blocks; the third id is a partial block.
+    reqs = [MooncakeRequest(0.0, 1100, 1, [1, 2, 3]), MooncakeRequest(1.0, 511, 1, [1])]
+    assert trace_keys(reqs) == [ids_trace([1, 2])[0], []]
+    report = bench(trace_keys(reqs), ["4"], ["lru"], with_vllm=False)
+    assert report["blocks"] == 2 and report["full_blocks_only"] is True
+
+
+def _queue_trace() -> tuple[list[list[bytes]], list[float]]:
+    # A hot prefix read every 5th request amid one-off scans larger than the tier:
+    # without hints LRU loses it; the queue announces it in time.
+    reqs: list[list[int]] = []
+    scan = 1000
+    for i in range(100):
+        if i % 5 == 0:
+            reqs.append(list(range(8)))
+        else:
+            reqs.append(list(range(scan, scan + 6)))
+            scan += 6
+    return ids_trace(*reqs), [100.0 * i for i in range(len(reqs))]
+
+
+def test_lookahead_hints_reach_the_policy_and_pay() -> None:
+    trace, times = _queue_trace()
+    without = replay(trace, "queue_arms", 12).hit_rate
+    with_queue = replay(trace, "queue_arms", 12, times, lookahead_ms=1000.0)
+    assert with_queue.hit_rate > without > replay(trace, "lru", 12).hit_rate
+    assert with_queue.hit_rate <= belady_hit_rate(trace, 12) + 1e-12
+    # A policy that ignores hints gives the same with and without them.
+    assert replay(trace, "lru", 12, times, 1000.0).hit_rate == replay(trace, "lru", 12).hit_rate
+
+
+def test_lookahead_announces_exactly_the_requests_within_the_window() -> None:
+    from kvoffload.bench import offload as offload_bench
+
+    calls: list[tuple[str, str]] = []
+
+    class Spy(CPUOffloadingManager):
+        def hint_queued(self, request_id: str, keys: object) -> None:
+            calls.append(("q", request_id))
+
+        def hint_dequeued(self, request_id: str) -> None:
+            calls.append(("d", request_id))
+
+    trace = ids_trace([1], [2], [3], [4])
+    times = [0.0, 400.0, 900.0, 5000.0]
+    orig = offload_bench.CPUOffloadingManager
+    offload_bench.CPUOffloadingManager = Spy  # type: ignore[misc]
+    try:
+        replay(trace, "lru", 2, times, lookahead_ms=1000.0)
+    finally:
+        offload_bench.CPUOffloadingManager = orig  # type: ignore[misc]
+    assert calls == [
+        ("q", "0"), ("q", "1"), ("q", "2"), ("d", "0"),
+        ("d", "1"),
+        ("d", "2"),
+        ("q", "3"), ("d", "3"),
+    ]  # fmt: skip
+
+
+def test_bench_reports_the_lookahead_and_vllm_rows_ignore_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    trace, times = _queue_trace()
+    report = bench(trace, ["12"], ["queue_arms"], False, None, times, 1.0)
+    assert report["lookahead_s"] == 1.0
+    with pytest.raises(ValueError, match="arrival time"):
+        bench(trace, ["12"], ["lru"], False, None, None, 1.0)
+    if offload_vllm.unavailable() is None:
+        a = offload_vllm.replay(trace, "lru", 12)
+        b = bench(trace, ["12"], ["lru"], True, None, times, 1.0)
+        row = next(r for r in b["results"] if r["policy"] == "vllm:lru")  # type: ignore[union-attr]
+        assert row["hit_blocks"] == a[0]
+
+
+def test_loop_kind_is_a_round_robin_of_few_prompts() -> None:
+    reqs = generate("loop", 32, seed=1)
+    firsts = [r.hash_ids[0] for r in reqs]
+    assert len(set(firsts)) == 8 and firsts[:8] == firsts[8:16]
+
+
+def test_cli_lookahead_and_loop(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["bench", "offload", "--generate", "loop", "--requests", "64", "--no-vllm"]
+    assert main([*args, "--policies", "lru,queue_arms", "--lookahead-s", "0.5", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["lookahead_s"] == 0.5 and "50%" in report["capacities"]
+    assert main([*args, "--policies", "lru", "--capacity", "50%"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Full blocks only" in out and "No queue hints" in out
