@@ -17,8 +17,11 @@ import pytest
 
 from kvoffload.bench.mooncake import (
     MooncakeRequest,
+    full_blocks,
+    longest_request,
     read_mooncake_trace,
     replay_mooncake,
+    unique_blocks,
 )
 from kvoffload.cli.main import main
 from kvoffload.offload import CPUOffloadingManager
@@ -281,3 +284,13 @@ def test_text_output_fits_80_columns(
     lines = capsys.readouterr().out.splitlines()
     table = [line for line in lines if not line.startswith("report:")]
     assert table and all(len(line) <= 80 for line in table)
+
+
+def test_only_full_blocks_are_replayed() -> None:
+    # 1,100 tokens in 512-token blocks: two full blocks, the third id a partial block
+    # (an engine never hashes it); a 300-token request offers no block at all.
+    reqs = [MooncakeRequest(0.0, 1100, 8, [1, 2, 3]), MooncakeRequest(1.0, 300, 8, [9])]
+    assert full_blocks(reqs[0]) == [1, 2] and full_blocks(reqs[1]) == []
+    assert longest_request(reqs) == 2 and unique_blocks(reqs) == 2
+    res = replay_mooncake([*reqs, MooncakeRequest(2.0, 1100, 8, [1, 2, 3])], 8, 8)
+    assert res.blocks == 4 and res.gpu_hit_blocks + res.cpu_hit_blocks == 2
