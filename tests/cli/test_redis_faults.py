@@ -1,4 +1,9 @@
-"""A Redis that accepts connections and never answers, at start-up: one warning, not a crash."""
+"""Redis faults through ``kvoffload run``: each ends in misses or one warning, never a crash.
+
+- a server that accepts connections and never answers, at start-up;
+- a server under ``maxmemory`` + ``allkeys-lru`` that evicts blocks while
+  the run looks them up and loads them.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import pytest
 
 from kvoffload.cli.main import main
 from kvoffload.cli.preflight import check_redis_reachable
+from tests.conftest_redis import RedisServerFactory
 from tests.tiers.sockets import SilentServer
 
 
@@ -35,3 +41,12 @@ def test_run_against_a_silent_redis_warns_once_and_serves(
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     assert "unreachable" in warnings[0].getMessage()
+
+
+def test_run_against_an_evicting_redis_completes(
+    redis_server_factory: RedisServerFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = redis_server_factory(maxmemory="1mb", maxmemory_policy="allkeys-lru")
+    argv = ["run", "--requests", "48", "--cpu-blocks", "32", "--redis-url", server.url]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert int(server.info("stats")["evicted_keys"]) > 0  # type: ignore[call-overload]
