@@ -54,20 +54,37 @@ def closing_note(report: dict[str, Any]) -> str:
     caps = report["capacities"]
     default = report["default_policy"]
     parts = []
+    gaps = []
     for lb, s in caps.items():
         if s["default_gap_closed"] is None:
             continue
         parts.append(f"{lb}: {100 * s['default_gap_closed']:+.1f}%")
+        if lb in ("1%", "5%", "10%"):
+            gaps.append(s["default_gap_closed"])
     best = [lb for lb, s in caps.items() if s["best_policy"] == default]
     text = (
         f"Default {default} is the best row at {len(best)} of {len(caps)} capacities"
         + (f" ({', '.join(best)})" if best else "")
         + "."
     )
+    below = [
+        lb
+        for lb, s in caps.items()
+        if s["vllm_best_hit_rate"] is not None
+        and s["default_hit_rate"] is not None
+        and s["default_hit_rate"] < s["vllm_best_hit_rate"]
+    ]
+    look = report.get("lookahead_s") or 0.0
     if parts:
         text += (
-            " Share of the gap from vLLM's best (lru, arc, lru+store_threshold=2) to Belady "
-            f"that it closes: {'; '.join(parts)}."
+            f" Share of the gap from vLLM's best (lru, arc, lru+store_threshold=2) to Belady "
+            f"that it closes{f' with a {look:g} s queue' if look else ''}: {'; '.join(parts)}"
+        )
+        if len(gaps) == 3:
+            text += f" (mean over 1/5/10%: {100 * sum(gaps) / 3:+.1f}%)"
+        text += "."
+        text += (
+            f" Below vLLM's best at: {', '.join(below)}." if below else " Never below vLLM's best."
         )
     else:
         text += f" vLLM: {report['vllm']}."
