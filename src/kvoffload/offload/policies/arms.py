@@ -180,8 +180,16 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
         else:
             super().discard(key)
 
+    def observe(self, keys: Sequence[OffloadKey]) -> None:
+        """Show the shadows reads of keys this policy does not hold (a wrapper holds them)."""
+        self._observe(keys)
+
     def access(self, keys: Sequence[OffloadKey]) -> None:
         self._observe(keys)
+        self.access_unobserved(keys)
+
+    def access_unobserved(self, keys: Sequence[OffloadKey]) -> None:
+        """``access`` without showing the shadows (they saw these reads already)."""
         if not self.rejects and not self._pinned_rejects:
             self.inner.access(keys)
             return

@@ -66,6 +66,8 @@ class QueueAwarePolicy(CachePolicy):
         self._pins: set[OffloadKey] = set()  # manager pins of every resident key
         self._out_pinned = 0  # pinned keys among held + marked-out
         self._max_marked = int(self.continue_share * capacity)
+        # Where the inner policy learns from reads (shadow caches), it sees the held keys' too.
+        self._observe = getattr(self.inner, "observe", None)
 
     # -- introspection -------------------------------------------------------------------
 
@@ -101,7 +103,8 @@ class QueueAwarePolicy(CachePolicy):
         if pinned:
             self._out_pinned -= len(pinned)
             inner.pin(pinned)
-        inner.access(keys)
+        # Their reads were shown to the inner policy's shadows when they happened.
+        getattr(inner, "access_unobserved", inner.access)(keys)
 
     def _push(self, key: OffloadKey) -> None:
         seq, pos = self._wants[key][0]
@@ -219,6 +222,8 @@ class QueueAwarePolicy(CachePolicy):
             self.inner.access(keys)
             return
         rest = [k for k in keys if k not in held and k not in marked]
+        if self._observe is not None and len(rest) < len(keys):
+            self._observe([k for k in keys if k in held or k in marked])
         if marked:
             # A marked conversation read again: its mark has done its job.
             used = [k for k in keys if k in marked]
@@ -263,7 +268,10 @@ class QueueAwarePolicy(CachePolicy):
     def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
         wants, marks = self._wants, self._marks
         if wants or marks:
-            # Only keys bound for the inner policy are its admission's business.
+            # Only keys bound for the inner policy are its admission's business; the
+            # others are still reads (misses) for its shadows to see.
+            if self._observe is not None:
+                self._observe([k for k in incoming if k in wants or k in marks])
             incoming = [k for k in incoming if k not in wants and k not in marks]
         inner = self.inner
         take = min(n, inner.num_evictable())
