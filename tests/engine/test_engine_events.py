@@ -50,3 +50,48 @@ def test_no_events_accumulate_without_a_publisher() -> None:
         assert list(engine.connector.manager.take_events()) == []
     finally:
         engine.close()
+
+
+def test_salted_and_lora_requests_keep_their_extra_keys_in_gpu_events() -> None:
+    # vLLM's block pool publishes each block's untagged extra keys: the salt in
+    # the first block's only, the LoRA name in every block's (tests/compat checks
+    # the same against vLLM's own code).
+    engine = LLMEngine(config(events_endpoint="tcp://127.0.0.1:*"))
+    published: list = []
+    publish = engine.publisher.publish
+
+    def record(events: list) -> bool:
+        published.extend(events)
+        return publish(events)
+
+    engine.publisher.publish = record  # type: ignore[method-assign]
+    prompt = PROMPTS[0]
+    kinds = {
+        "plain": {},
+        "salted": {"cache_salt": "tenant-1"},
+        "lora": {"lora_name": "adapter-a", "lora_path": "/models/a"},
+        "both": {"lora_name": "adapter-a", "lora_path": "/models/a", "cache_salt": "tenant-1"},
+    }
+    try:
+        for name, extra in kinds.items():
+            engine.add_request(prompt, SamplingParams(max_tokens=1), req_id=name, **extra)
+            while engine.has_unfinished_requests():
+                engine.step()
+    finally:
+        engine.close()
+    firsts = [
+        e
+        for e in published
+        if isinstance(e, BlockStored) and e.medium == "GPU" and e.parent_block_hash is None
+    ]
+    # One chain per request: different extra keys, different hashes, no hit.
+    assert len(firsts) == len(kinds)
+    assert len({e.block_hashes[0] for e in firsts}) == len(kinds)
+    n = len(prompt) // BS
+    assert [e.extra_keys for e in firsts] == [
+        [None] * n,
+        [("tenant-1",)] + [None] * (n - 1),
+        [("adapter-a",)] * n,
+        [("adapter-a", "tenant-1")] + [("adapter-a",)] * (n - 1),
+    ]
+    assert [e.lora_name for e in firsts] == [None, None, "adapter-a", "adapter-a"]

@@ -99,7 +99,17 @@ class LLMEngine:
         sampling: SamplingParams | None = None,
         req_id: str | None = None,
         continues: bool = False,
+        *,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
+        """Queue a request; returns its id.
+
+        ``lora_name`` / ``lora_path`` and ``cache_salt`` go into its block
+        hashes and KV events exactly as vLLM 0.33 puts a LoRA request's and a
+        salt's (the reference model has no adapters: they only keep KV apart).
+        """
         vocab = self.runner.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
         if bad:
@@ -127,6 +137,9 @@ class LLMEngine:
             self.hash_fn,
             parent_hash=self.none_hash,
             continues=continues,
+            lora_name=lora_name,
+            cache_salt=cache_salt,
+            lora_path=lora_path,
         )
         self._requests[req_id] = req
         self.scheduler.add_request(req)

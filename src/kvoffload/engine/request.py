@@ -51,6 +51,8 @@ class Request:
     parent_hash: bytes | None = None  # chain seed; None = the module NONE_HASH
     arrival_time: float = field(default_factory=time.perf_counter)
     continues: bool = False  # session hint: the conversation goes on after this request
+    # With lora_name, the adapter's path: hashed as vLLM hashes LoRA requests.
+    lora_path: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -62,7 +64,12 @@ class Request:
         self.blocks: list[KVCacheBlock] = []
         self.num_cached_blocks = 0  # blocks registered in the GPU prefix cache
         self.hasher = BlockHasher(
-            self.block_size, self.hash_fn, self.lora_name, self.cache_salt, self.parent_hash
+            self.block_size,
+            self.hash_fn,
+            self.lora_name,
+            self.cache_salt,
+            self.parent_hash,
+            lora_path=self.lora_path,
         )
         self.hasher.update(self.all_token_ids)
         self.first_token_time: float | None = None
