@@ -288,7 +288,7 @@ class VLLMRig:
             ids = [int(b) for b in dst.block_ids]
             hashes = [bytes(request.block_hashes[first + i]) for i in range(len(ids))]
             self._pending[job_id] = _PendingLoad(job.req_id, ids, hashes)
-            if job.sync:
+            if getattr(job, "sync", False):  # vLLM 0.32 has no sync loads
                 sync.append(job_id)
         return sync
 

@@ -397,7 +397,7 @@ class TPRig:
             first = int(dst.block_indices[0])
             ids = [int(b) for b in dst.block_ids]
             hashes = [bytes(request.block_hashes[first + i]) for i in range(len(ids))]
-            out[job_id] = (ids, hashes, bool(job.sync))
+            out[job_id] = (ids, hashes, bool(getattr(job, "sync", False)))  # 0.32: none
         return out
 
     def step(self) -> Any:

@@ -109,3 +109,10 @@ def pin_shared_region(region: object) -> None:
 
 def _call_accepted(fn: object, *args: object, **kwargs: object) -> object:
     return fn(*args, **_accepted(fn, kwargs))  # type: ignore[operator]
+
+
+def manager_lock(manager: object) -> object:
+    """The manager's lock (``OffloadingManager.lock``, 0.33); 0.32 has none: a no-op context."""
+    from contextlib import nullcontext
+
+    return getattr(manager, "lock", None) or nullcontext()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Collection
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -64,6 +65,13 @@ class KVOffloadTieringManager(TieringOffloadingManager):
         self.lookup_calls = 0
         #: Blocks promoted (lookups that started a load into the CPU tier), by tier index.
         self.promotions_by_tier: dict[int, int] = {}
+
+    if not hasattr(TieringOffloadingManager, "lock"):  # vLLM 0.32: one thread, no lock
+
+        @property
+        def lock(self) -> AbstractContextManager[Any]:
+            """vLLM 0.33's manager lock; 0.32's tiering manager is entered from one thread."""
+            return nullcontext()
 
     def lookup(
         self,
