@@ -176,7 +176,8 @@ def test_disk_tier_serves_after_cpu_eviction_with_events_from_vllms_publisher(
         events = _drain(sock, decoder)
     finally:
         sock.close(linger=0)
-    assert rig.manager.promotions_by_tier == {0: PROMPT_BLOCKS}  # tier 0: the disk
+    promoted = rig.manager.promotions_by_tier  # tier 0: the disk; the CPU tier may keep some
+    assert set(promoted) == {0} and 0 < promoted[0] <= PROMPT_BLOCKS
     assert rig.mismatches == [] and rig.bytes_verified == PROMPT_BLOCKS * BLOCK_BYTES
     stored = [e for e in events if isinstance(e, BlockStored)]
     media = {(e.medium, e.locality) for e in stored}
@@ -203,7 +204,8 @@ def test_redis_tier_serves_after_cpu_eviction_with_remote_events(
         events = _drain(sock, msgspec.msgpack.Decoder(type=KVEventBatch))
     finally:
         sock.close(linger=0)
-    assert rig.manager.promotions_by_tier == {0: PROMPT_BLOCKS}  # tier 0: Redis
+    promoted = rig.manager.promotions_by_tier  # tier 0: Redis; the CPU tier may keep some
+    assert set(promoted) == {0} and 0 < promoted[0] <= PROMPT_BLOCKS
     assert rig.mismatches == [] and rig.bytes_verified == PROMPT_BLOCKS * BLOCK_BYTES
     stored = {(e.medium, e.locality) for e in events if isinstance(e, BlockStored)}
     assert ("STORAGE", "REMOTE") in stored

@@ -118,3 +118,20 @@ def test_the_scheduler_side_builds_its_tiers_with_no_worker_in_its_process(tmp_p
         ]
     finally:
         connector.shutdown()
+
+
+def test_lower_tiers_bring_vllms_tiering_metrics_and_the_tiers_own() -> None:
+    from kvoffload.integrations.vllm import KVOffloadSpec
+
+    extra = {
+        "cpu_bytes": "1GiB",
+        "disk_dir": "/d",
+        "disk_bytes": "1GiB",
+        "redis_url": "redis://h/0",
+    }
+    names = set(KVOffloadSpec.build_metric_definitions(extra))
+    assert "vllm:kv_offload_tiering_chunk_hits" in names
+    assert "vllm:kv_offload_tiering_promotion_latency_seconds" in names
+    assert "kvoffload:tier_checksum_failures" in names
+    assert KVOffloadSpec.build_metric_definitions({"cpu_bytes": "1GiB"}) == {}
+    assert "tier" in KVOffloadSpec.config_info_keys(extra)

@@ -100,6 +100,20 @@ class KVOffloadSpec(OffloadingSpec):
             {"secondary_tiers": secondary_tier_configs(settings)}
         )
 
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """vLLM 0.33's config-info labels of the tiering manager (CPU tier and each tier)."""
+        try:
+            settings = parse_settings(extra_config)
+        except KVOffloadConfigError:
+            return ()
+        from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+        keys = getattr(TieringOffloadingSpec, "config_info_keys", None)  # 0.32 has none
+        if not settings.has_lower_tiers or keys is None:
+            return ()
+        return tuple(keys({"secondary_tiers": secondary_tier_configs(settings)}))
+
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         self.settings: KVOffloadSettings = parse_settings(self.extra_config)
