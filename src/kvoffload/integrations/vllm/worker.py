@@ -1,4 +1,4 @@
-"""vLLM 0.33's worker-side ``OffloadingWorker`` over kvoffload's transfer layer.
+"""vLLM's worker-side ``OffloadingWorker`` over kvoffload's transfer layer (0.32 and 0.33).
 
 vLLM hands over its KV cache as ``CanonicalKVCaches``: int8 byte planes
 ``(num_blocks, page_bytes)`` whose row ``b`` is block ``b``. kvoffload copies
@@ -9,16 +9,25 @@ for bit, whatever the model's dtype. The CPU tier's ``HostPool`` uses the same
 layout. On a GPU the copies run on CUDA streams into page-locked memory; on a
 CPU-only machine (CI) the same worker runs the same jobs with a thread pool.
 
+Where the CPU tier's bytes live: with the CPU tier alone, in a private host
+pool per worker (job specs are ``KVOffloadJobSpec``s from ``KVOffloadManager``).
+With lower tiers, in this rank's shard of vLLM's shared offload region, seen
+as a host pool whose slot ``c`` is row ``c`` of the region (job specs are
+vLLM's ``CPULoadStoreSpec`` chunk ids from vLLM's tiering manager; an
+offloaded block of ``f`` GPU blocks is ``f`` such pools, see ``chunk_rows``).
+The worker never touches disk or Redis: the scheduler process moves those
+bytes between the region and the stores.
+
 Failures. vLLM 0.33's offloading worker asserts ``success`` on every transfer
 result, so a failed job would stop the engine. When the connector offers
 recovery (``KVOffloadConnector`` does: ``recover_failed_loads``), a failed
 load is reported successful to vLLM, its GPU block ids are handed to vLLM's
 load-failure recovery (``get_block_ids_with_load_errors``: the scheduler
 recomputes those blocks with ``kv_load_failure_policy="recompute"``, or fails
-the request with the default ``"fail"``) and the job's tag goes back to the
-scheduler side, which drops the promoted and lower-tier copies involved. A
-failed store is reported successful too: its keys are dropped and never
-offered. Without recovery (vLLM's stock connector) a failed job is reported
+the request with the default ``"fail"``) and, for ``KVOffloadManager``'s jobs,
+the job's tag goes back to the scheduler side, which drops what the job
+touched. A failed store is reported successful too: its keys are dropped and
+never offered. Without recovery (vLLM's stock connector) a failed job is reported
 failed, and vLLM stops on its assertion rather than serve a block whose KV
 was never written.
 """
