@@ -177,3 +177,31 @@ def test_without_hints_the_flood_evicts_the_waiting_request_s_blocks(tmp_path: P
 @pytest.mark.parametrize("policy", queue_aware_policies())
 def test_hinted_blocks_survive_while_their_request_waits(tmp_path: Path, policy: str) -> None:
     assert _waiting_request_hits(tmp_path, policy) == PROMPT_LEN
+
+
+def test_hints_reach_kvoffload_s_policy_under_vllm_s_tiering_manager(tmp_path: Path) -> None:
+    """With a disk tier, KVOffloadSpec runs vLLM's tiering manager over KVOffload<Name>Policy."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    rig = VLLMRig.build(
+        tmp_path,
+        extra_config={
+            "cpu_bytes": 20 * 4096,
+            "disk_dir": str(disk),
+            "disk_bytes": "1MiB",
+            "cache_policy": RECORDER,
+        },
+    )
+    p = hint_policy.latest()
+    assert type(rig.manager).__name__ != "KVOffloadManager"  # vLLM's tiering manager
+    reqs = [add(rig, f"r{i}", prompt(i)) for i in range(4)]
+    cont = add(rig, "cont", prompt(9), **{CONTINUES_PARAM: True})
+    assert p.calls[0] == ("queued", "r0", full_keys(reqs[0]))
+    rig.step()
+    rig.scheduler.finish_requests("r3", RequestStatus.FINISHED_ABORTED)  # still waiting
+    rig.run()
+    for req_id in ("r0", "r1", "r2", "r3", "cont"):
+        assert alternates(events(p, req_id)), (req_id, events(p, req_id))
+    assert p.queued == {}
+    assert [c[1] for c in p.calls if c[0] == "continues"] == [full_keys(cont)]
+    rig.shutdown()

@@ -22,7 +22,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 from vllm.v1.outputs import KVConnectorOutput
 
-from kvoffload.integrations.vllm.manager import KVOffloadManager, request_offload_keys
+from kvoffload.integrations.vllm.manager import (
+    KVOffloadManager,
+    RequestHints,
+    request_offload_keys,
+)
+from kvoffload.integrations.vllm.policies import KVOffloadVLLMPolicy
 from kvoffload.integrations.vllm.settings import KVOffloadConfigError
 from kvoffload.integrations.vllm.spec import KVOffloadSpec
 from kvoffload.integrations.vllm.worker import KVOffloadWorker
@@ -141,20 +146,52 @@ class KVOffloadConnector(OffloadingConnector):
         super().update_connector_output(connector_output)
 
     # -- queue hints (issue 20): what the manager cannot see by itself ---------------
-    # KVOffloadManager's lock is vLLM's default no-op, so these calls need not take it.
+
+    def _request_hints(self) -> tuple[RequestHints, Any] | None:
+        """Where queue and session hints go (with the manager whose lock guards it), or None.
+
+        The CPU-only adapter keeps its own ``RequestHints``; under vLLM's tiering
+        manager (lower tiers) they go to the CPU tier's policy when it is one of
+        kvoffload's (``KVOffloadVLLMPolicy``).
+        """
+        if self.connector_scheduler is None:
+            return None
+        manager = self.connector_scheduler.manager
+        if isinstance(manager, KVOffloadManager):
+            return manager.hints, manager
+        hints = getattr(self, "_tier_hints", None)
+        if hints is None:
+            policy = getattr(getattr(manager, "primary_tier", None), "_policy", None)
+            if not isinstance(policy, KVOffloadVLLMPolicy):
+                return None
+            hints = self._tier_hints = RequestHints(policy)
+        return hints, manager
 
     def on_new_request(self, request: Any) -> None:
         super().on_new_request(request)
-        manager = self.kvoffload_manager
-        if manager is not None and self.connector_scheduler is not None:
-            groups = self.connector_scheduler.config.kv_group_configs
-            manager.request_queued(
-                request.request_id, request_offload_keys(request.block_hashes, groups)
-            )
+        target = self._request_hints()
+        if target is None:
+            return
+        hints, manager = target
+        assert self.connector_scheduler is not None
+        groups = self.connector_scheduler.config.kv_group_configs
+        keys = request_offload_keys(request.block_hashes, groups)
+        with manager.lock:
+            hints.arrived(request.request_id, request.kv_transfer_params)
+            hints.queued(request.request_id, keys)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
-        manager = self.kvoffload_manager
-        if manager is not None:
-            # First schedulings reach the manager in on_schedule_end; resumptions do not.
-            manager.requests_scheduled(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
-        return super().build_connector_meta(scheduler_output)
+        meta = super().build_connector_meta(scheduler_output)
+        target = self._request_hints()
+        if target is not None:
+            # After the step's region: the manager's lock is free again. The
+            # CPU-only adapter has seen all but resumptions in its own hooks
+            # (RequestHints ignores what it already knows).
+            hints, manager = target
+            with manager.lock:
+                hints.scheduled(r.req_id for r in scheduler_output.scheduled_new_reqs)
+                hints.scheduled(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
+                hints.preempted(scheduler_output.preempted_req_ids or ())
+                for req_id in scheduler_output.finished_req_ids or ():
+                    hints.finished(req_id)
+        return meta

@@ -34,6 +34,7 @@ from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count
+from typing import Any, Protocol
 
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
@@ -123,6 +124,83 @@ class _RequestHints:
     keys: list[OffloadKey] = field(default_factory=list)
 
 
+class HintTarget(Protocol):
+    def hint_queued(self, request_id: str, keys: Sequence[OffloadKey]) -> None: ...
+    def hint_dequeued(self, request_id: str) -> None: ...
+    def hint_continues(self, keys: Sequence[OffloadKey]) -> None: ...
+
+
+class RequestHints:
+    """The queue and session hints of vLLM's requests, sent to ``target`` (issue 20).
+
+    ``target`` is a kvoffload manager (``KVOffloadManager``'s) or a kvoffload
+    policy inside vLLM's own CPU tier (``KVOffloadVLLMPolicy``, under vLLM's
+    tiering manager). A request is announced with ``hint_queued`` while it
+    waits: from its arrival (``queued``) to its first scheduling or resumption
+    (``scheduled``), again after each preemption (``preempted``); its finish or
+    abort (``finished``) ends that and, for a request whose
+    ``kv_transfer_params`` hold ``{CONTINUES_PARAM: true}``, announces its
+    blocks with ``hint_continues``. Every method is idempotent (the manager's
+    hooks and the connector may both report an event) and costs O(keys of the
+    request).
+    """
+
+    def __init__(self, target: HintTarget) -> None:
+        self.target = target
+        self._live: dict[str, _RequestHints] = {}
+        self._queued: set[str] = set()
+
+    def arrived(self, req_id: str, kv_transfer_params: dict[str, Any] | None) -> None:
+        """vLLM saw the request (``on_new_request``); a second report changes nothing."""
+        if req_id not in self._live:
+            continues = (kv_transfer_params or {}).get(CONTINUES_PARAM) is True
+            self._live[req_id] = _RequestHints(continues=continues)
+
+    def queued(self, req_id: str, keys: Sequence[OffloadKey]) -> None:
+        """The request waits in vLLM's queue; ``keys``: its full chunks' keys, head first."""
+        hints = self._live.get(req_id)
+        if hints is None:
+            return
+        hints.keys = list(keys)
+        self._queued.add(req_id)
+        self.target.hint_queued(req_id, hints.keys)
+
+    def scheduled(self, req_ids: Iterable[str]) -> None:
+        """These requests left the waiting queue (first scheduled, or resumed)."""
+        queued = self._queued
+        for req_id in req_ids:
+            if req_id in queued:
+                queued.discard(req_id)
+                self.target.hint_dequeued(req_id)
+
+    def preempted(self, req_ids: Iterable[str]) -> None:
+        """These requests went back to the waiting queue: announce them again."""
+        for req_id in req_ids:
+            hints = self._live.get(req_id)
+            if hints is not None and hints.keys and req_id not in self._queued:
+                self._queued.add(req_id)
+                self.target.hint_queued(req_id, hints.keys)
+
+    def stored(self, req_id: str, keys: Sequence[OffloadKey]) -> None:
+        """The request stored ``keys``: part of its session hint if it continues."""
+        hints = self._live.get(req_id)
+        if hints is not None and hints.continues and keys:
+            hints.keys.extend(keys)
+
+    def finished(self, req_id: str) -> None:
+        """The request finished or was aborted."""
+        if req_id in self._queued:
+            self._queued.discard(req_id)
+            self.target.hint_dequeued(req_id)
+        hints = self._live.pop(req_id, None)
+        if hints is not None and hints.continues and hints.keys:
+            self.target.hint_continues(list(dict.fromkeys(hints.keys)))
+
+    def num_queued(self) -> int:
+        """Requests announced as waiting and not yet dequeued."""
+        return len(self._queued)
+
+
 @dataclass
 class _RequestLookups:
     """Lower-tier keys this request was told are HITs: each needs a CPU slot to load."""
@@ -159,9 +237,8 @@ class KVOffloadManager(OffloadingManager):
         self._failed: set[int] = set()
         self.failed_loads = 0
         self.failed_stores = 0
-        # Queue and session hints (see the "hints" section).
-        self._live: dict[str, _RequestHints] = {}
-        self._queued: set[str] = set()
+        #: Queue and session hints of vLLM's requests, for the tiers (see the "hints" section).
+        self.hints = RequestHints(inner)
 
     # -- lookups ---------------------------------------------------------------
 
@@ -279,7 +356,7 @@ class KVOffloadManager(OffloadingManager):
         if out is None:
             return None
         stored = list(out.keys_to_store)
-        self._hints_note_stored(req_context.req_id, stored)
+        self.hints.stored(req_context.req_id, stored)
         if stored:
             op = _Op(next(self._op_ids), stored)
             self._stores.setdefault(frozenset(stored), deque()).append(op)
@@ -306,32 +383,28 @@ class KVOffloadManager(OffloadingManager):
     # -- lifecycle ---------------------------------------------------------------
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        self._hints_new_request(req_context)
+        self.hints.arrived(req_context.req_id, req_context.kv_transfer_params)
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         state = req_context.get_state(_RequestLookups)
         if state is not None:
             state.promotions.clear()
-        self._hints_request_finished(req_context.req_id)
+        self.hints.finished(req_context.req_id)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        self._hints_schedule_end(context)
+        self.hints.scheduled(context.new_req_ids)
+        self.hints.preempted(context.preempted_req_ids)
 
     # -- hints (issue 20): the waiting queue and session continuations -------------
     #
     # vLLM tells the manager when a request arrives (on_new_request), is first
     # scheduled or preempted (on_schedule_end) and finishes or is aborted
-    # (on_request_finished), but not its block hashes at arrival: those come
-    # from KVOffloadConnector.on_new_request through ``request_queued``, and
-    # a preempted request's resumption through ``requests_scheduled``. Behind
-    # vLLM's stock OffloadingConnector no queue hint is sent (there are no keys
-    # to announce); the session hint still works from the keys the request stores.
-
-    def _hints_new_request(self, req_context: ReqContext) -> None:
-        params = req_context.kv_transfer_params or {}
-        continues = params.get(CONTINUES_PARAM) is True
-        self._live[req_context.req_id] = _RequestHints(continues=continues)
+    # (on_request_finished), but not its block hashes at arrival nor its
+    # resumption after a preemption: KVOffloadConnector reports those
+    # (``request_queued``, ``requests_scheduled``). Behind vLLM's stock
+    # OffloadingConnector no queue hint is sent (there are no keys to
+    # announce); the session hint still covers the keys the request stores.
 
     def request_queued(self, req_id: str, keys: Sequence[OffloadKey]) -> None:
         """Request ``req_id`` waits in vLLM's queue; ``keys`` are its full chunks' keys.
@@ -340,46 +413,15 @@ class KVOffloadManager(OffloadingManager):
         request's first scheduling, its resumption or its finish. A request the
         manager has not seen through ``on_new_request`` is ignored.
         """
-        hints = self._live.get(req_id)
-        if hints is None:
-            return
-        hints.keys = list(keys)
-        self._queued.add(req_id)
-        self.inner.hint_queued(req_id, hints.keys)
+        self.hints.queued(req_id, keys)
 
     def requests_scheduled(self, req_ids: Iterable[str]) -> None:
         """These requests left the waiting queue (scheduled, new or resumed)."""
-        queued = self._queued
-        for req_id in req_ids:
-            if req_id in queued:
-                queued.discard(req_id)
-                self.inner.hint_dequeued(req_id)
-
-    def _hints_schedule_end(self, context: ScheduleEndContext) -> None:
-        self.requests_scheduled(context.new_req_ids)
-        # A preempted request goes back to the waiting queue: announce it again.
-        for req_id in context.preempted_req_ids:
-            hints = self._live.get(req_id)
-            if hints is not None and hints.keys and req_id not in self._queued:
-                self._queued.add(req_id)
-                self.inner.hint_queued(req_id, hints.keys)
-
-    def _hints_note_stored(self, req_id: str, stored: list[OffloadKey]) -> None:
-        hints = self._live.get(req_id)
-        if hints is not None and hints.continues and stored:
-            hints.keys.extend(stored)
-
-    def _hints_request_finished(self, req_id: str) -> None:
-        if req_id in self._queued:
-            self._queued.discard(req_id)
-            self.inner.hint_dequeued(req_id)
-        hints = self._live.pop(req_id, None)
-        if hints is not None and hints.continues and hints.keys:
-            self.inner.hint_continues(list(dict.fromkeys(hints.keys)))
+        self.hints.scheduled(req_ids)
 
     def num_queued_hints(self) -> int:
         """Requests announced as waiting and not yet dequeued."""
-        return len(self._queued)
+        return self.hints.num_queued()
 
     def take_events(self) -> Iterator[OffloadingEvent]:
         for ev in self.inner.take_events():

@@ -31,9 +31,12 @@ in the same order, so that a replay gives the same hits either way:
 - ``touch`` is ``access``; ``on_request_finished`` adds nothing (kvoffload
   applies recency when blocks are read or offered, not at a request's end).
 
-vLLM's manager sends no queue or session hints, so the queue-aware policies
-run here as their inner policy does without hints. Every call costs what the
-inner policy's does plus O(keys of the call).
+vLLM's own managers send no queue or session hints: under them the
+queue-aware policies act as their inner policy does without hints. Under
+``KVOffloadSpec`` with lower tiers (vLLM's tiering manager over one of these
+classes), ``KVOffloadConnector`` sends them to this policy (``hint_queued``,
+``hint_dequeued``, ``hint_continues``). Every call costs what the inner
+policy's does plus O(keys of the call).
 """
 
 from __future__ import annotations
@@ -97,6 +100,7 @@ class KVOffloadVLLMPolicy(VLLMCachePolicy):
         self._store_access = False  # the last deferred operation is this store's access
         self._evicted = False
         self._inserting = False
+        self._queued: dict[str, list[OffloadKey]] = {}  # queue hints, re-announced after clear
 
     # -- deferred operations -------------------------------------------------------
 
@@ -243,7 +247,10 @@ class KVOffloadVLLMPolicy(VLLMCachePolicy):
             out.append((key, self._chunks.pop(key)))
         return out
 
-    def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
+    def insert(
+        self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext | None = None
+    ) -> None:
+        # vLLM 0.32 calls insert(key, chunk): see compat.POLICY_INSERT_TAKES_CONTEXT.
         if not self._inserting:
             if not self._evicted:
                 self._apply_before_store_access()
@@ -288,6 +295,42 @@ class KVOffloadVLLMPolicy(VLLMCachePolicy):
         self._pinned.clear()
         self._pending.clear()
         self._end_store()
+        # The requests still wait: the new policy hears of them again.
+        for request_id, keys in self._queued.items():
+            self.inner.hint_queued(request_id, keys)
+
+    # -- queue and session hints ------------------------------------------------------
+    # vLLM's managers never call these; kvoffload's connector does (under vLLM's
+    # tiering manager, for its CPU tier). Pending operations are applied first,
+    # so the inner policy sees the hint after everything that came before it.
+
+    def _uses(self, hint: str) -> bool:
+        """Whether the inner policy acts on ``hint``; if not, the hint must change nothing here
+        either (applying the deferred operations early would split their batches)."""
+        return getattr(type(self.inner), hint) is not getattr(CachePolicy, hint)
+
+    def hint_queued(self, request_id: str, keys: Sequence[OffloadKey]) -> None:
+        if not self._uses("hint_queued"):
+            return
+        self._end_store()
+        self._apply()
+        keys = list(keys)
+        self._queued[request_id] = keys
+        self.inner.hint_queued(request_id, keys)
+
+    def hint_dequeued(self, request_id: str) -> None:
+        if self._queued.pop(request_id, None) is None:
+            return
+        self._end_store()
+        self._apply()
+        self.inner.hint_dequeued(request_id)
+
+    def hint_continues(self, keys: Sequence[OffloadKey]) -> None:
+        if not self._uses("hint_continues"):
+            return
+        self._end_store()
+        self._apply()
+        self.inner.hint_continues(list(keys))
 
 
 def _make_class(policy: str) -> type[KVOffloadVLLMPolicy]:
