@@ -27,6 +27,8 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from kvoffload.offload import CPULoadStoreSpec, GPULoadStoreSpec  # noqa: E402
 from tests.integrations.test_vllm_engine import (  # noqa: E402
@@ -88,12 +90,16 @@ def _finish_reasons(rig: VLLMRig) -> dict[str, str]:
     }
 
 
+@pytest.mark.parametrize("scheduler_cls", [Scheduler, AsyncScheduler])
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_a_failed_load_goes_to_vllms_recovery_with_its_gpu_blocks(
-    tmp_path: Path, policy: str
+    tmp_path: Path, policy: str, scheduler_cls: type[Scheduler]
 ) -> None:
     rig = VLLMRig.build(
-        tmp_path, extra_config={"cpu_bytes": "1MiB"}, recompute_failed_loads=policy == "recompute"
+        tmp_path,
+        extra_config={"cpu_bytes": "1MiB"},
+        scheduler_cls=scheduler_cls,
+        recompute_failed_loads=policy == "recompute",
     )
     rig.add(PROMPT, req_id="first")
     rig.run()
