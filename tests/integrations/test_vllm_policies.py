@@ -27,7 +27,7 @@ from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory  # noqa: 
 
 import kvoffload.integrations.vllm as kv_vllm  # noqa: E402
 from kvoffload.bench.offload import replay as kvoffload_replay  # noqa: E402
-from kvoffload.bench.traces import generate, trace_keys  # noqa: E402
+from kvoffload.bench.traces import generate, trace_keys, trace_times  # noqa: E402
 from kvoffload.integrations.vllm.policies import (  # noqa: E402
     KVOffloadVLLMPolicy,
     policy_class_name,
@@ -36,17 +36,35 @@ from kvoffload.offload import OffloadKey  # noqa: E402
 from kvoffload.offload.cpu_manager import DEFAULT_CACHE_POLICY  # noqa: E402
 from kvoffload.offload.policies import policy_names  # noqa: E402
 from tests.integrations.vllm_rig import kv_cache_config, vllm_config, write_tiny_llama  # noqa: E402
+from tests.offload.hint_policy import queue_aware_policies  # noqa: E402
 
 MODULE = "kvoffload.integrations.vllm"
 TOKENS = 512
 
 
-def vllm_replay(trace: Sequence[Sequence[OffloadKey]], class_name: str, capacity: int) -> list[int]:
-    """Hits per request of vLLM's CPU manager running ``class_name`` (as its connector calls it)."""
+def vllm_replay(
+    trace: Sequence[Sequence[OffloadKey]],
+    class_name: str,
+    capacity: int,
+    times: Sequence[float] | None = None,
+    lookahead_ms: float = 0.0,
+) -> list[int]:
+    """Hits per request of vLLM's CPU manager running ``class_name`` (as its connector calls it).
+
+    With ``times``, queue hints go to the policy as kvoffload's connector sends
+    them, at the points ``kvoffload bench offload --lookahead-s`` sends them.
+    """
     m = CPUOffloadingManager(capacity, cache_policy=class_name, cache_policy_module_path=MODULE)
-    assert isinstance(m._policy, KVOffloadVLLMPolicy)
+    policy = m._policy
+    assert isinstance(policy, KVOffloadVLLMPolicy)
+    announced = 0
     out = []
     for i, keys in enumerate(trace):
+        if times is not None:
+            while announced < len(trace) and times[announced] <= times[i] + lookahead_ms:
+                if trace[announced]:
+                    policy.hint_queued(str(announced), trace[announced])
+                announced += 1
         ctx = ReqContext(req_id=str(i))
         for j, key in enumerate(keys):
             ctx.set_offload_key_position(key, (j + 1) * TOKENS)
@@ -59,6 +77,8 @@ def vllm_replay(trace: Sequence[Sequence[OffloadKey]], class_name: str, capacity
         if hit:
             m.prepare_load(keys[:hit], ctx)
             m.complete_load(keys[:hit], ctx)
+        if times is not None:
+            policy.hint_dequeued(str(i))
         rest = list(keys[hit:])
         if rest:
             stored = m.prepare_store(rest, ctx)
@@ -129,6 +149,19 @@ def test_vllm_specs_load_the_policy_by_name(tmp_path: Path, spec: dict[str, Any]
     assert type(policy).__name__ == "KVOffloadChainDuelPolicy"
     assert policy.inner.name == "chain_duel"
     connector.shutdown()
+
+
+@pytest.mark.parametrize("policy", queue_aware_policies())
+def test_same_hits_as_inside_kvoffload_with_queue_hints(policy: str) -> None:
+    requests = generate("mixed", 300, seed=5)
+    trace, times = trace_keys(requests), trace_times(requests)
+    unique = len({k for keys in trace for k in keys})
+    for frac in (0.02, 0.1):
+        cap = max(4, int(unique * frac))
+        for lookahead_ms in (500.0, 5000.0):
+            ours = kvoffload_replay(trace, policy, cap, times, lookahead_ms).hit_blocks
+            theirs = vllm_replay(trace, policy_class_name(policy), cap, times, lookahead_ms)
+            assert sum(theirs) == ours, (cap, lookahead_ms)
 
 
 @pytest.mark.parametrize("policy", policy_names())
