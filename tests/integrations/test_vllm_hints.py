@@ -19,6 +19,8 @@ from typing import Any  # noqa: E402
 import pytest  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
 from kvoffload.integrations.vllm.manager import CONTINUES_PARAM  # noqa: E402
@@ -34,9 +36,13 @@ def prompt(i: int) -> list[int]:
     return [1 + 97 * i + j for j in range(PROMPT_LEN)]
 
 
-def build(tmp_path: Path, policy: str = RECORDER, **extra: Any) -> tuple[VLLMRig, HintRecorder]:
+def build(
+    tmp_path: Path, policy: str = RECORDER, scheduler_cls: type[Scheduler] = Scheduler
+) -> tuple[VLLMRig, HintRecorder]:
     rig = VLLMRig.build(
-        tmp_path, extra_config={"cpu_bytes": "1MiB", "cache_policy": policy, **extra}
+        tmp_path,
+        extra_config={"cpu_bytes": "1MiB", "cache_policy": policy},
+        scheduler_cls=scheduler_cls,
     )
     return rig, hint_policy.latest()
 
@@ -83,8 +89,11 @@ def test_arrival_announces_the_full_block_keys_and_scheduling_dequeues(tmp_path:
     rig.shutdown()
 
 
-def test_requests_behind_the_budget_stay_queued_until_scheduled(tmp_path: Path) -> None:
-    rig, p = build(tmp_path)
+@pytest.mark.parametrize("scheduler_cls", [Scheduler, AsyncScheduler])
+def test_requests_behind_the_budget_stay_queued_until_scheduled(
+    tmp_path: Path, scheduler_cls: type[Scheduler]
+) -> None:
+    rig, p = build(tmp_path, scheduler_cls=scheduler_cls)
     for i in range(5):  # 12 GPU blocks: at most two 6-block requests run at once
         add(rig, f"r{i}", prompt(i))
     rig.step()
