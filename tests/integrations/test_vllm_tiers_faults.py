@@ -29,7 +29,11 @@ import redis  # noqa: E402
 from vllm.v1.kv_offload.base import LookupResult  # noqa: E402
 
 from kvoffload.tiers.config import TierConfigError  # noqa: E402
-from tests.conftest_redis import RedisServer  # noqa: E402
+from tests.conftest_redis import (  # noqa: E402, F401  (fixtures)
+    RedisServer,
+    redis_cluster,
+    redis_cluster_factory,
+)
 from tests.integrations.vllm_tier_rig import (  # noqa: E402
     TierRig,
     disk_tier,
@@ -460,3 +464,51 @@ def test_another_revision_sharing_the_namespace_sees_no_block(redis_server: Redi
         assert hits == N and all(all(c) for c in checks)
     finally:
         again.close()
+
+
+def test_a_redis_evicting_under_maxmemory_is_misses_never_errors(
+    redis_server_factory: Any,
+) -> None:
+    server = redis_server_factory(maxmemory="2mb", maxmemory_policy="allkeys-lru")
+    rig = TierRig([redis_tier(server.url)])
+    try:
+        keys = keys_of(64, tag=b"maxmem")  # 4 MiB of rows into a 2 MiB server
+        rig.store_many(keys)
+        rig.settle()
+        evict_from_cpu(rig, b"filler")
+        hits, checks = rig.fetch(keys)
+        assert hits < len(keys) and all(all(c) for c in checks)
+        hits, checks = rig.fetch(keys[-4:])
+        assert all(all(c) for c in checks)
+    finally:
+        rig.close()
+
+
+def test_a_redis_cluster_seed_list_serves_blocks(redis_cluster: Any) -> None:  # noqa: F811
+    rig = TierRig([redis_tier(redis_cluster.url)])
+    try:
+        (tier,) = rig.tiers
+        assert tier.store.is_cluster
+        keys = keys_of(N, tag=b"cluster")
+        rig.store(keys)
+        evict_from_cpu(rig, b"filler")
+        hits, checks = rig.fetch(keys)
+        assert hits == N and all(all(c) for c in checks)
+        assert tier.checks.batches == 1
+    finally:
+        rig.close()
+
+
+def test_kvoffload_metrics_are_declared_to_vllms_spec(tmp_path: Path) -> None:
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    from kvoffload.integrations.vllm.tiers.base import metric_definitions
+
+    extra = {
+        "cpu_bytes_to_use": 1 << 20,
+        "secondary_tiers": [disk_tier(tmp_path / "kv"), redis_tier("redis://127.0.0.1:1/0")],
+    }
+    defs = TieringOffloadingSpec.build_metric_definitions(extra)
+    ours = metric_definitions()
+    assert ours and all(defs[name] == meta for name, meta in ours.items())
+    assert all(meta.labelnames == ("tier",) for meta in ours.values())
