@@ -34,7 +34,7 @@ inner's + held + marked-out (disjoint); a held key has a waiting request;
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -58,12 +58,14 @@ class QueueAwarePolicy(CachePolicy):
         self._reqs: dict[str, tuple[int, list[OffloadKey]]] = {}
         # Per key the (queue seq, block position) of each waiting request that needs it,
         # in queue order (seqs only grow, so appends keep it sorted).
-        self._wants: dict[OffloadKey, deque[tuple[int, int]]] = {}
+        # (Lists: short, and cheaper to create than deques; the head goes first.)
+        self._wants: dict[OffloadKey, list[tuple[int, int]]] = {}
         self._held: set[OffloadKey] = set()  # resident, needed, outside the inner policy
         self._heap: list[tuple[int, int, OffloadKey]] = []  # (-seq, -pos, key), lazily stale
         self._marks: OrderedDict[OffloadKey, None] = OrderedDict()  # continue marks, oldest first
         self._marked: OrderedDict[OffloadKey, None] = OrderedDict()  # resident, marked, outside
         self._pins: set[OffloadKey] = set()  # manager pins of every resident key
+        self._resident: set[OffloadKey] = set()  # every resident key (cheaper than asking inner)
         self._out_pinned = 0  # pinned keys among held + marked-out
         self._max_marked = int(self.continue_share * capacity)
         # Where the inner policy learns from reads (shadow caches), it sees the held keys' too.
@@ -75,7 +77,7 @@ class QueueAwarePolicy(CachePolicy):
         return len(self.inner) + len(self._held) + len(self._marked)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._held or key in self._marked or key in self.inner
+        return key in self._resident
 
     def num_evictable(self) -> int:
         return self.inner.num_evictable() + len(self._held) + len(self._marked) - self._out_pinned
@@ -108,10 +110,12 @@ class QueueAwarePolicy(CachePolicy):
 
     def _push(self, key: OffloadKey) -> None:
         seq, pos = self._wants[key][0]
+        heapq.heappush(self._heap, (-seq, -pos, key))
+
+    def _compact(self) -> None:
+        """Drop stale heap entries once they outnumber the live ones (paid by their pushes)."""
         heap = self._heap
-        heapq.heappush(heap, (-seq, -pos, key))
         if len(heap) > 64 and len(heap) > 4 * len(self._held):
-            # Compaction, paid for by the pushes since the last one.
             wants = self._wants
             self._heap = heap = [(-wants[k][0][0], -wants[k][0][1], k) for k in self._held]
             heapq.heapify(heap)
@@ -127,21 +131,22 @@ class QueueAwarePolicy(CachePolicy):
         seq = self._seq
         self._seq += 1
         self._reqs[request_id] = (seq, uniq)
-        wants, held, marked, inner = self._wants, self._held, self._marked, self.inner
+        wants, held, marked, resident = self._wants, self._held, self._marked, self._resident
+        heap, push = self._heap, heapq.heappush
         for pos, key in enumerate(uniq):
             d = wants.get(key)
-            if d is None:
-                wants[key] = deque([(seq, pos)])
+            if d is not None:
+                d.append((seq, pos))
+                continue
+            wants[key] = [(seq, pos)]
+            if key in resident:  # not held (nobody wanted it): marked-out or in the inner policy
                 if key in marked:
                     del marked[key]
-                    held.add(key)
-                    self._push(key)
-                elif key in inner:
+                else:
                     self._take_out(key)
-                    held.add(key)
-                    self._push(key)
-            else:
-                d.append((seq, pos))
+                held.add(key)
+                push(heap, (-seq, -pos, key))
+        self._compact()
 
     def hint_dequeued(self, request_id: str) -> None:
         entry = self._reqs.pop(request_id, None)
@@ -149,18 +154,20 @@ class QueueAwarePolicy(CachePolicy):
             return
         seq, keys = entry
         wants, held, marks, marked = self._wants, self._held, self._marks, self._marked
+        heap, push = self._heap, heapq.heappush
         back: list[OffloadKey] = []
         for pos, key in enumerate(keys):
             d = wants[key]
-            head = d[0] == (seq, pos)
-            if head:
-                d.popleft()
+            if d[0][0] == seq:  # the nearest need was this request (the usual, FIFO case)
+                del d[0]
+                if d:
+                    if key in held:
+                        nseq, npos = d[0]
+                        push(heap, (-nseq, -npos, key))
+                    continue
             else:
                 d.remove((seq, pos))
-            if d:
-                if head and key in held:
-                    self._push(key)
-                continue
+                continue  # an earlier request still waits for it
             del wants[key]
             if key in held:
                 held.discard(key)
@@ -171,15 +178,16 @@ class QueueAwarePolicy(CachePolicy):
         if back:
             self._put_back(back)
         self._trim_marked()
+        self._compact()
 
     def hint_continues(self, keys: Sequence[OffloadKey]) -> None:
-        marks, marked, inner, wants = self._marks, self._marked, self.inner, self._wants
+        marks, marked, wants = self._marks, self._marked, self._wants
         for key in keys:
             marks[key] = None
             marks.move_to_end(key)
             if key in marked:
                 marked.move_to_end(key)
-            elif key not in wants and key in inner:
+            elif key not in wants and key in self._resident:
                 self._take_out(key)
                 marked[key] = None
         while len(marks) > self.capacity:
@@ -199,6 +207,7 @@ class QueueAwarePolicy(CachePolicy):
     # -- the policy interface ------------------------------------------------------------
 
     def insert(self, keys: Sequence[OffloadKey]) -> None:
+        self._resident.update(keys)
         wants, marks = self._wants, self._marks
         if not wants and not marks:
             self.inner.insert(keys)
@@ -278,6 +287,7 @@ class QueueAwarePolicy(CachePolicy):
         victims = inner.evict(take, incoming)
         if take < n:
             victims += self._evict_protected(n - take)
+        self._resident.difference_update(victims)
         return victims
 
     def _evict_protected(self, n: int) -> list[OffloadKey]:
