@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Collection, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, Protocol
@@ -239,6 +240,13 @@ class KVOffloadManager(OffloadingManager):
         self.failed_stores = 0
         #: Queue and session hints of vLLM's requests, for the tiers (see the "hints" section).
         self.hints = RequestHints(inner)
+
+    if not hasattr(OffloadingManager, "lock"):  # vLLM 0.32: no manager lock
+
+        @property
+        def lock(self) -> AbstractContextManager[Any]:
+            """vLLM 0.33's ``OffloadingManager.lock``; this manager is entered from one thread."""
+            return nullcontext()
 
     # -- lookups ---------------------------------------------------------------
 
