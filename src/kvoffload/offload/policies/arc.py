@@ -18,6 +18,7 @@ Invariants (with c = capacity): |T1| + |T2| <= c, |T1| + |B1| <= c,
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -131,19 +132,38 @@ class ARCPolicy(CachePolicy):
         n1, n2 = self.n1, self.n2
         off = len(in_b2) - n
         victims: list[OffloadKey] = []
-        for i in range(n):
-            # Room for incoming[-n + i]: ARC's REPLACE with that key's B2 flag.
-            x_in_b2 = in_b2[off + i] if off + i >= 0 else False
-            if t1 and (not t2 or n1 > p or (x_in_b2 and n1 == p)):
-                key = t1.popitem(last=False)[0]
-                n1 -= 1
-                b1[key] = None
-            else:
-                key = t2.popitem(last=False)[0]
-                n2 -= 1
-                b2[key] = None
-            del list_of[key]
-            victims.append(key)
+        pop1, pop2 = t1.popitem, t2.popitem
+        i = 0
+        while i < n:
+            # Room for incoming[-n + i]: ARC's REPLACE with that key's B2 flag. Runs of
+            # victims from one list are taken together where the rule cannot change
+            # within the run (T1 while |T1| > p, T2 while |T1| < p or T1 is empty).
+            if t1 and (not t2 or n1 > p):
+                k = min(n - i, len(t1), math.ceil(n1 - p)) if t2 else min(n - i, len(t1))
+                run = [pop1(last=False)[0] for _ in range(k)]
+                n1 -= k
+                ghost = b1
+            elif t2 and (not t1 or n1 < p):
+                k = min(n - i, len(t2))
+                run = [pop2(last=False)[0] for _ in range(k)]
+                n2 -= k
+                ghost = b2
+            else:  # |T1| == p: the incoming key's B2 flag decides, one victim
+                j = off + i
+                if j >= 0 and in_b2[j]:
+                    run = [pop1(last=False)[0]]
+                    n1 -= 1
+                    ghost = b1
+                else:
+                    run = [pop2(last=False)[0]]
+                    n2 -= 1
+                    ghost = b2
+                k = 1
+            for key in run:
+                ghost[key] = None
+                del list_of[key]
+            victims += run
+            i += k
         self.n1, self.n2 = n1, n2
         self._trim_ghosts()
         return victims

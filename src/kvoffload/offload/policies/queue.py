@@ -68,13 +68,11 @@ class QueueAwarePolicy(CachePolicy):
         self._resident: set[OffloadKey] = set()  # every resident key (cheaper than asking inner)
         self._out_pinned = 0  # pinned keys among held + marked-out
         self._max_marked = int(self.continue_share * capacity)
-        # Where the inner policy learns from reads (shadow caches), it sees the held keys' too.
-        self._observe = getattr(self.inner, "observe", None)
 
     # -- introspection -------------------------------------------------------------------
 
     def __len__(self) -> int:
-        return len(self.inner) + len(self._held) + len(self._marked)
+        return len(self.inner)  # held and marked keys are in it, pinned
 
     def __contains__(self, key: object) -> bool:
         return key in self._resident
@@ -91,22 +89,26 @@ class QueueAwarePolicy(CachePolicy):
 
     # -- moving keys between the inner policy and the protected sets ----------------------
 
-    def _take_out(self, key: OffloadKey) -> None:
-        """Resident ``key`` of the inner policy leaves it (it is about to be held or marked)."""
-        self.inner.discard(key)  # type: ignore[attr-defined]
-        if key in self._pins:
-            self._out_pinned += 1
+    # A held or marked key stays in the inner policy, pinned there (so it is never the
+    # inner policy's victim, and the inner policy still sees its reads); the manager's
+    # own pins of such keys are only counted. ``_shield`` / ``_release`` move keys in
+    # and out of that state; a protected victim is ``discard``-ed from the inner policy.
 
-    def _put_back(self, keys: list[OffloadKey]) -> None:
-        """Resident keys outside the inner policy return to it as just used (chain order)."""
-        inner, pins = self.inner, self._pins
-        inner.insert(keys)
-        pinned = [k for k in keys if k in pins]
-        if pinned:
-            self._out_pinned -= len(pinned)
-            inner.pin(pinned)
-        # Their reads were shown to the inner policy's shadows when they happened.
-        getattr(inner, "access_unobserved", inner.access)(keys)
+    def _shield(self, keys: list[OffloadKey]) -> None:
+        """Resident keys of the inner policy become held or marked."""
+        pins = self._pins
+        free = [k for k in keys if k not in pins]
+        self._out_pinned += len(keys) - len(free)
+        if free:
+            self.inner.pin(free)
+
+    def _release(self, keys: list[OffloadKey]) -> None:
+        """Held or marked resident keys become ordinary again, as just used (chain order)."""
+        pins = self._pins
+        free = [k for k in keys if k not in pins]
+        self._out_pinned -= len(keys) - len(free)
+        if free:
+            self.inner.unpin(free)
 
     def _push(self, key: OffloadKey) -> None:
         seq, pos = self._wants[key][0]
@@ -133,19 +135,22 @@ class QueueAwarePolicy(CachePolicy):
         self._reqs[request_id] = (seq, uniq)
         wants, held, marked, resident = self._wants, self._held, self._marked, self._resident
         heap, push = self._heap, heapq.heappush
+        shield = []
         for pos, key in enumerate(uniq):
             d = wants.get(key)
             if d is not None:
                 d.append((seq, pos))
                 continue
             wants[key] = [(seq, pos)]
-            if key in resident:  # not held (nobody wanted it): marked-out or in the inner policy
+            if key in resident:  # not held (nobody wanted it): marked or ordinary
                 if key in marked:
-                    del marked[key]
+                    del marked[key]  # already shielded
                 else:
-                    self._take_out(key)
+                    shield.append(key)
                 held.add(key)
                 push(heap, (-seq, -pos, key))
+        if shield:
+            self._shield(shield)
         self._compact()
 
     def hint_dequeued(self, request_id: str) -> None:
@@ -176,7 +181,7 @@ class QueueAwarePolicy(CachePolicy):
                 else:
                     back.append(key)
         if back:
-            self._put_back(back)
+            self._release(back)
         self._trim_marked()
         self._compact()
 
@@ -188,12 +193,12 @@ class QueueAwarePolicy(CachePolicy):
             if key in marked:
                 marked.move_to_end(key)
             elif key not in wants and key in self._resident:
-                self._take_out(key)
+                self._shield([key])
                 marked[key] = None
         while len(marks) > self.capacity:
             old, _ = marks.popitem(last=False)
             if marked.pop(old, marked) is None:
-                self._put_back([old])
+                self._release([old])
         self._trim_marked()
 
     def _trim_marked(self) -> None:
@@ -202,47 +207,40 @@ class QueueAwarePolicy(CachePolicy):
             back = []
             while len(marked) > self._max_marked:
                 back.append(marked.popitem(last=False)[0])
-            self._put_back(back)
+            self._release(back)
 
     # -- the policy interface ------------------------------------------------------------
 
     def insert(self, keys: Sequence[OffloadKey]) -> None:
         self._resident.update(keys)
+        self.inner.insert(keys)
         wants, marks = self._wants, self._marks
         if not wants and not marks:
-            self.inner.insert(keys)
             return
-        rest = []
+        shield = []
         for key in keys:
             if key in wants:
                 self._held.add(key)
                 self._push(key)
+                shield.append(key)
             elif key in marks:
                 self._marked[key] = None
-            else:
-                rest.append(key)
-        if rest:
-            self.inner.insert(rest)
-        self._trim_marked()
+                shield.append(key)
+        if shield:
+            self._shield(shield)
+            self._trim_marked()
 
     def access(self, keys: Sequence[OffloadKey]) -> None:
-        held, marked = self._held, self._marked
-        if not held and not marked:
-            self.inner.access(keys)
-            return
-        rest = [k for k in keys if k not in held and k not in marked]
-        if self._observe is not None and len(rest) < len(keys):
-            self._observe([k for k in keys if k in held or k in marked])
+        self.inner.access(keys)  # held and marked keys too: they are in it, pinned
+        marked = self._marked
         if marked:
             # A marked conversation read again: its mark has done its job.
             used = [k for k in keys if k in marked]
-            for k in used:
-                del marked[k]
-                self._marks.pop(k, None)
             if used:
-                self._put_back(used)
-        if rest:
-            self.inner.access(rest)
+                for k in used:
+                    del marked[k]
+                    self._marks.pop(k, None)
+                self._release(used)
 
     def pin(self, keys: Sequence[OffloadKey]) -> None:
         pins, held, marked = self._pins, self._held, self._marked
@@ -250,12 +248,8 @@ class QueueAwarePolicy(CachePolicy):
         if not held and not marked:
             self.inner.pin(keys)
             return
-        rest = []
-        for k in keys:
-            if k in held or k in marked:
-                self._out_pinned += 1
-            else:
-                rest.append(k)
+        rest = [k for k in keys if k not in held and k not in marked]
+        self._out_pinned += len(keys) - len(rest)
         if rest:
             self.inner.pin(rest)
 
@@ -265,28 +259,21 @@ class QueueAwarePolicy(CachePolicy):
         if not held and not marked:
             self.inner.unpin(keys)
             return
-        rest = []
-        for k in keys:
-            if k in held or k in marked:
-                self._out_pinned -= 1
-            else:
-                rest.append(k)
+        rest = [k for k in keys if k not in held and k not in marked]
+        self._out_pinned -= len(keys) - len(rest)
         if rest:
             self.inner.unpin(rest)
 
     def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
-        wants, marks = self._wants, self._marks
-        if wants or marks:
-            # Only keys bound for the inner policy are its admission's business; the
-            # others are still reads (misses) for its shadows to see.
-            if self._observe is not None:
-                self._observe([k for k in incoming if k in wants or k in marks])
-            incoming = [k for k in incoming if k not in wants and k not in marks]
         inner = self.inner
         take = min(n, inner.num_evictable())
         victims = inner.evict(take, incoming)
         if take < n:
-            victims += self._evict_protected(n - take)
+            protected = self._evict_protected(n - take)
+            discard = inner.discard  # type: ignore[attr-defined]
+            for key in protected:
+                discard(key)
+            victims += protected
         self._resident.difference_update(victims)
         return victims
 
