@@ -393,6 +393,7 @@ def test_a_dead_redis_is_misses_dropped_stores_one_warning_then_recovery(
         report(rig, "dead Redis")
     finally:
         rig.close()
+    assert rig.unmapped
 
 
 @pytest.fixture
@@ -443,6 +444,7 @@ def test_a_silent_redis_at_start_up_is_an_outage_not_an_error(
         report(rig, "silent Redis")
     finally:
         rig.close()
+    assert rig.unmapped
 
 
 def test_another_revision_sharing_the_namespace_sees_no_block(redis_server: RedisServer) -> None:

@@ -324,6 +324,12 @@ class TierRig:
             stats = self.manager.get_stats()
         return {} if stats is None else dict(stats.reduce())
 
+    @property
+    def unmapped(self) -> bool:
+        """Whether vLLM could unmap its shared region at shutdown (no view of it left)."""
+        region = getattr(self.spec, "_scheduler_mmap", None)
+        return region is None or region.mmap_obj is None
+
     def close(self) -> None:
         self.settle()
         if self.ranks is not None:

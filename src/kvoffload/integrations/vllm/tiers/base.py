@@ -39,6 +39,7 @@ every rank's shard.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import threading
@@ -484,6 +485,11 @@ class KVOffloadTierBase(SecondaryTierManager):
         assert self._rows is not None, "tier is shut down"
         return [self._rows[c] for c in chunks]
 
+    def copy_rows(self, chunks: Sequence[int]) -> np.ndarray:
+        """A copy of the primary rows of ``chunks``, one row each."""
+        assert self._rows is not None, "tier is shut down"
+        return np.take(self._rows, list(chunks), axis=0)
+
     def count(self, name: str, n: int = 1) -> None:
         if n:
             self._counters[name] = self._counters.get(name, 0) + n
@@ -608,8 +614,11 @@ class KVOffloadTierBase(SecondaryTierManager):
             self._io.stop()
             self._close_store()
         finally:
-            # Drop every view of vLLM's region so it can unmap it.
+            # Drop every view of vLLM's region so it can unmap it. A store call that
+            # failed (a dead server) can leave a reference cycle (exception, traceback,
+            # frames) holding a row view: collect it, or vLLM keeps the region mapped.
             self._rows = None
+            gc.collect()
             if self._flat is not None:
                 self._flat.release()
                 self._flat = None

@@ -330,10 +330,12 @@ class KVOffloadRedisTier(KVOffloadTierBase):
         return IOJob(job.job_id, True, keys, chunks)
 
     def _run_io(self, job: IOJob) -> Sequence[bool]:
-        rows = self.rows(job.chunks)
         if job.is_load:
-            return self.store.get_into(job.keys, rows)
-        return self.store.put(job.keys, rows)
+            return self.store.get_into(job.keys, self.rows(job.chunks))
+        # A copy (the store copies each block into its value anyway): a failed put's
+        # exception, kept by a log record, then holds no view of vLLM's shared region,
+        # which vLLM could otherwise not unmap at shutdown.
+        return self.store.put(job.keys, self.copy_rows(job.chunks))
 
     def _end_job(self, job: IOJob) -> None:
         good = [k for k, ok in zip(job.keys, job.ok) if ok]
