@@ -87,15 +87,22 @@ class ChainLRUPolicy(CachePolicy):
         nodes, hints = self._nodes, self._hints
         anchor = self._mru
         for key in keys:
-            parent = hints.pop(key, None)
-            if parent is not None:
-                pnode = nodes.get(parent)
-                if pnode is not None and pnode.older is not None:
-                    anchor = pnode
+            if hints:
+                parent = hints.pop(key, None)
+                if parent is not None:
+                    pnode = nodes.get(parent)
+                    if pnode is not None and pnode.older is not None:
+                        anchor = pnode
             node = _Node(key)
             nodes[key] = node
-            self._link_behind(node, anchor)
+            # Linked just less recent than the anchor (inline _link_behind: the hot path).
+            older = anchor.older
+            node.older = older
+            node.newer = anchor
+            older.newer = node  # type: ignore[union-attr]
+            anchor.older = node
             anchor = node
+        self._linked += len(keys)
 
     def access(self, keys: Sequence[OffloadKey]) -> None:
         nodes, mru = self._nodes, self._mru
@@ -116,13 +123,22 @@ class ChainLRUPolicy(CachePolicy):
             self._link_behind(nodes[key], mru)
 
     def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
+        # The n least recent nodes are cut out as one run of the list.
         victims: list[OffloadKey] = []
+        nodes = self._nodes
+        head = self._lru
+        node = head.newer
         for _ in range(n):
-            node = self._lru.newer
             assert node is not None and node.key is not None, "nothing evictable"
-            self._unlink(node)
-            del self._nodes[node.key]
             victims.append(node.key)
+            del nodes[node.key]
+            nxt = node.newer
+            node.older = node.newer = None
+            node = nxt
+        if n:
+            head.newer = node
+            node.older = head  # type: ignore[union-attr]
+            self._linked -= n
         return victims
 
     def discard(self, key: OffloadKey) -> None:
