@@ -53,6 +53,8 @@ class _Shadow:
     def run(self, keys: Sequence[OffloadKey], bip_admit: bool) -> int:
         """Read ``keys`` in turn; how many hit. A miss stores the key under this mode
         (BIP: if ``bip_admit`` or its main part is not full yet, as the real cache)."""
+        if self.mode == ALL:
+            return self._run_all(keys)
         main, rejects, cap, mode = self.main, self.rejects, self.capacity, self.mode
         seen, history = self.seen, self.history
         hits = 0
@@ -66,9 +68,7 @@ class _Shadow:
                 main[key] = None
                 hits += 1
                 continue
-            if mode == ALL:
-                main[key] = None
-            elif mode == SECOND:
+            if mode == SECOND:
                 if key in seen:
                     main[key] = None
                 else:
@@ -82,6 +82,20 @@ class _Shadow:
                 rejects[key] = None
             if len(main) + len(rejects) > cap:
                 (rejects or main).popitem(last=False)
+        return hits
+
+    def _run_all(self, keys: Sequence[OffloadKey]) -> int:
+        """``run`` for plain LRU (no rejects ever): the most read shadow, kept lean."""
+        main, cap = self.main, self.capacity
+        hits = 0
+        for key in keys:
+            if key in main:
+                main.move_to_end(key)
+                hits += 1
+            else:
+                main[key] = None
+                if len(main) > cap:
+                    main.popitem(last=False)
         return hits
 
 
