@@ -514,3 +514,23 @@ def test_kvoffload_metrics_are_declared_to_vllms_spec(tmp_path: Path) -> None:
     ours = metric_definitions()
     assert ours and all(defs[name] == meta for name, meta in ours.items())
     assert all(meta.labelnames == ("tier",) for meta in ours.values())
+
+
+def test_vllms_reset_cache_drains_the_tiers_and_keeps_their_blocks(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    rig = TierRig([disk_tier(tmp_path / "kv"), redis_tier(redis_server.url)])
+    try:
+        keys = keys_of(N, tag=b"reset")
+        ctx = rig.new_request()
+        rig.store(keys, ctx)  # cascades in flight
+        with rig.lock:
+            rig.manager.reset_cache()
+            rig.manager.on_reset_flushed()
+        rig.finish(ctx)
+        rig.settle()
+        # Secondary tiers are persistent across vLLM's resets (its tiering's contract).
+        hits, checks = rig.fetch(keys)
+        assert hits == N and all(all(c) for c in checks)
+    finally:
+        rig.close()
