@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 from vllm.v1.outputs import KVConnectorOutput
 
+from kvoffload.integrations.vllm.compat import manager_lock
 from kvoffload.integrations.vllm.manager import (
     KVOffloadManager,
     RequestHints,
@@ -176,7 +177,7 @@ class KVOffloadConnector(OffloadingConnector):
         assert self.connector_scheduler is not None
         groups = self.connector_scheduler.config.kv_group_configs
         keys = request_offload_keys(request.block_hashes, groups)
-        with manager.lock:
+        with manager_lock(manager):
             hints.arrived(request.request_id, request.kv_transfer_params)
             hints.queued(request.request_id, keys)
 
@@ -188,7 +189,7 @@ class KVOffloadConnector(OffloadingConnector):
             # CPU-only adapter has seen all but resumptions in its own hooks
             # (RequestHints ignores what it already knows).
             hints, manager = target
-            with manager.lock:
+            with manager_lock(manager):
                 hints.scheduled(r.req_id for r in scheduler_output.scheduled_new_reqs)
                 hints.scheduled(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
                 hints.preempted(scheduler_output.preempted_req_ids or ())
