@@ -6,29 +6,33 @@ already hashed their prompts. The manager forwards that queue as hints
 request is scheduled, aborted or finished). This wrapper acts on them around
 an inner policy that orders everything else:
 
-- a resident key that some queued request needs is *held*: taken out of the
-  inner policy, so the inner policy's victims (whose next use, if any, lies
-  beyond the known queue) always go first, as Belady's rule says;
+- a resident key that some queued request needs is *held*: pinned in the
+  inner policy (which still sees its reads), so the inner policy's victims
+  (whose next use, if any, lies beyond the known queue) always go first, as
+  Belady's rule says;
 - when only held keys are left to evict, the one needed farthest ahead goes
   (the largest queue position of its nearest waiting request; within one
   request, the chain's tail before its head, since a lookup stops at the
   first missing block);
 - admission follows the queue: a new key a queued request needs is held at
-  once, past the inner policy's admission filter; an unneeded one goes to the
-  inner policy, which evicts it first while the tier is full of needed keys;
-- when a request leaves the queue its keys that nobody else waits for go back
-  to the inner policy as just used (the request read them);
+  once, whatever the inner policy's admission filter thinks of it; an
+  unneeded one is the inner policy's, which evicts it first while the tier is
+  full of needed keys;
+- when a request leaves the queue its keys that nobody else waits for are
+  unpinned in the inner policy, as just used (the request read them);
 - ``hint_continues(keys)`` (a client says the conversation goes on) marks
-  keys; a marked resident key is kept out of the inner policy too, but is
+  keys; a marked resident key is pinned in the inner policy too, but is
   evicted before any held key, oldest mark first, and at most half the tier
   is kept that way (a soft priority, not a reservation).
 
 Costs: each hint is O(keys of the request) amortised (a heap entry per held
 key whose nearest need changes, stale entries dropped lazily and compacted
 against the pushes); without hints every operation is the inner policy's plus
-a constant. Nothing scans the resident keys. Invariants: resident keys =
-inner's + held + marked-out (disjoint); a held key has a waiting request;
-``num_evictable`` = inner's + held and marked-out keys not pinned.
+a constant. Nothing scans the resident keys. Invariants: the resident keys are
+the inner policy's; held and marked keys (disjoint) are pinned there, and so
+are the manager's pins of other keys; a held key has a waiting request;
+``num_evictable`` = the inner policy's + held and marked keys the manager has
+not pinned.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from kvoffload.offload.policies.base import CachePolicy
 
 class QueueAwarePolicy(CachePolicy):
     """Queue and session hints around ``inner_cls`` (set by subclasses), which must have
-    ``discard(key)``: forget a resident key, pinned or not, without evicting it."""
+    ``discard(key)``: forget a resident key, pinned or not (a protected victim)."""
 
     inner_cls: ClassVar[type[CachePolicy]]
     #: At most this share of the tier is kept out of the inner policy by continue marks.
