@@ -22,7 +22,7 @@ import multiprocessing as mp
 import time
 import uuid
 from collections.abc import Sequence
-from contextlib import nullcontext, suppress
+from contextlib import suppress
 from typing import Any
 
 import numpy as np
@@ -136,7 +136,7 @@ class Ranks:
             with suppress(OSError):
                 c.send(("exit",))
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=3)
             if p.is_alive():
                 p.kill()
 
@@ -173,8 +173,10 @@ class TierRig:
 
     @property
     def lock(self) -> Any:
+        from kvoffload.integrations.vllm.compat import manager_lock
+
         # 0.33's managers have a lock every caller holds; 0.32's have none.
-        return getattr(self.manager, "lock", None) or nullcontext()
+        return manager_lock(self.manager)
 
     def new_request(self) -> ReqContext:
         self._req += 1

@@ -39,7 +39,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,7 +161,10 @@ class Engine:
 
     @property
     def lock(self) -> Any:
-        return getattr(self.manager, "lock", None) or nullcontext()
+        from kvoffload.integrations.vllm.compat import manager_lock
+
+        # 0.33's managers have a lock every caller holds; 0.32's have none.
+        return manager_lock(self.manager)
 
     def call(self, fn: Callable[..., Any], *args: Any, lookup: bool = False) -> Any:
         with self.clock.manager_call(lookup), self.lock:
