@@ -8,8 +8,9 @@ kvoffload's keys:
 - ``redis_url``: a shared Redis/Valkey tier below that (what ``--redis-url``
   takes: ``redis://``, ``rediss://``, ``valkey://``, ``unix://``,
   ``redis+cluster://host:port,host:port``);
-- ``write_through``: write every stored block down to the lower tiers at
-  once (default: only blocks the CPU tier evicts, "write back").
+- ``write_through``: accepted; the lower tiers run under vLLM's tiering
+  manager, which writes every block down to every lower tier as soon as it
+  reaches the CPU tier (write-through) whatever the value.
 
 vLLM's own keys keep vLLM's meaning: ``cpu_bytes_to_use`` (= ``cpu_bytes``),
 ``eviction_policy`` (= ``cache_policy``), ``block_size`` / ``blocks_per_chunk``
