@@ -534,3 +534,19 @@ def test_vllms_reset_cache_drains_the_tiers_and_keeps_their_blocks(
         assert hits == N and all(all(c) for c in checks)
     finally:
         rig.close()
+
+
+def test_vllms_backpressure_detector_reads_the_tiers_store_latencies(tmp_path: Path) -> None:
+    bp = {"backpressure_cls": "EMABackpressureDetector", "policy_cls": "DropStorePolicy"}
+    rig = TierRig([disk_tier(tmp_path / "kv", backpressure=bp)])
+    try:
+        (tier,) = rig.tiers
+        assert tier.bp_detector is not None
+        rig.store_many(keys_of(24, tag=b"bp"), batch=1)  # past the detector's warm-up
+        rig.settle()
+        ema = rig.stats()[
+            f"vllm:kv_offload_tiering_backpressure_store_latency_ema:('{tier.label}',)"
+        ]
+        assert ema > 0
+    finally:
+        rig.close()
