@@ -26,6 +26,9 @@ is one ``TierConfigError`` line naming it):
 - ``model_revision``: the model revision recorded in the identity when
   vLLM's config does not say it;
 - ``write_mode`` may only be "write_through" (see ``base``).
+- vLLM's own ``backpressure`` entry (e.g. ``{"backpressure_cls":
+  "EMABackpressureDetector"}``) works as for its tiers: vLLM feeds the
+  detector this tier's store results and drops cascades under pressure.
 
 Lookups answer at once from the in-memory index (never ``RETRY``). Every
 read is checked against the block's checksum: a corrupt or truncated block

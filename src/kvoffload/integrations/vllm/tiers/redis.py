@@ -22,6 +22,9 @@ is one ``TierConfigError`` line naming it):
   (true): ``STORAGE`` events with locality ``REMOTE``;
 - ``model_revision``: as for the disk tier; ``write_mode`` only
   "write_through".
+- vLLM's own ``backpressure`` entry works as for its tiers; give
+  ``"locality": "REMOTE"`` too, so that vLLM's EMA detector takes its
+  network watermarks (vLLM picks them from that key or its own tier names).
 
 Lookups never wait for the server: the keys the scheduler asks about in one
 step are checked in one pipelined round trip (``STRLEN`` per key, per cluster
