@@ -61,7 +61,11 @@ def closing_note(report: dict[str, Any]) -> str:
         parts.append(f"{lb}: {100 * s['default_gap_closed']:+.1f}%")
         if lb in ("1%", "5%", "10%"):
             gaps.append(s["default_gap_closed"])
-    best = [lb for lb, s in caps.items() if s["best_policy"] == default]
+    best = [  # ties count: the default is a best row where nothing beats it
+        lb
+        for lb, s in caps.items()
+        if s["default_hit_rate"] is not None and s["default_hit_rate"] >= s["best_hit_rate"]
+    ]
     text = (
         f"Default {default} is the best row at {len(best)} of {len(caps)} capacities"
         + (f" ({', '.join(best)})" if best else "")
