@@ -25,9 +25,10 @@ an inner policy that orders everything else:
   evicted before any held key, oldest mark first, and at most half the tier
   is kept that way (a soft priority, not a reservation).
 
-Costs: each hint is O(keys of the request) amortised (a heap entry per held
-key whose nearest need changes, stale entries dropped lazily and compacted
-against the pushes); without hints every operation is the inner policy's plus
+Costs: each hint is O(keys of the request) amortised (a held key whose
+nearest need changes is marked dirty, and pushed on a heap only when a held
+key must be evicted; stale entries are dropped lazily and compacted against
+the pushes); without hints every operation is the inner policy's plus
 a constant. Nothing scans the resident keys. Invariants: the resident keys are
 the inner policy's; held and marked keys (disjoint) are pinned there, and so
 are the manager's pins of other keys; a held key has a waiting request;
@@ -66,6 +67,9 @@ class QueueAwarePolicy(CachePolicy):
         self._wants: dict[OffloadKey, list[tuple[int, int]]] = {}
         self._held: set[OffloadKey] = set()  # resident, needed, outside the inner policy
         self._heap: list[tuple[int, int, OffloadKey]] = []  # (-seq, -pos, key), lazily stale
+        # Held keys whose nearest need changed since the heap last saw them: pushed only
+        # when a held key must be evicted (rare on a large tier), once however often it changed.
+        self._dirty: set[OffloadKey] = set()
         self._marks: OrderedDict[OffloadKey, None] = OrderedDict()  # continue marks, oldest first
         self._marked: OrderedDict[OffloadKey, None] = OrderedDict()  # resident, marked, outside
         self._pins: set[OffloadKey] = set()  # manager pins of every resident key
@@ -114,14 +118,17 @@ class QueueAwarePolicy(CachePolicy):
         if free:
             self.inner.unpin(free)
 
-    def _push(self, key: OffloadKey) -> None:
-        seq, pos = self._wants[key][0]
-        heapq.heappush(self._heap, (-seq, -pos, key))
-
-    def _compact(self) -> None:
-        """Drop stale heap entries once they outnumber the live ones (paid by their pushes)."""
-        heap = self._heap
-        if len(heap) > 64 and len(heap) > 4 * len(self._held):
+    def _flush(self) -> None:
+        """Bring the heap up to date: push the dirty keys' nearest needs, drop stale entries
+        once they outnumber the live ones (paid for by their pushes)."""
+        heap, wants, held = self._heap, self._wants, self._held
+        push = heapq.heappush
+        for k in self._dirty:
+            if k in held:
+                seq, pos = wants[k][0]
+                push(heap, (-seq, -pos, k))
+        self._dirty.clear()
+        if len(heap) > 64 and len(heap) > 4 * len(held):
             wants = self._wants
             self._heap = heap = [(-wants[k][0][0], -wants[k][0][1], k) for k in self._held]
             heapq.heapify(heap)
@@ -138,7 +145,7 @@ class QueueAwarePolicy(CachePolicy):
         self._seq += 1
         self._reqs[request_id] = (seq, uniq)
         wants, held, marked, resident = self._wants, self._held, self._marked, self._resident
-        heap, push = self._heap, heapq.heappush
+        dirty = self._dirty
         shield = []
         for pos, key in enumerate(uniq):
             d = wants.get(key)
@@ -152,10 +159,9 @@ class QueueAwarePolicy(CachePolicy):
                 else:
                     shield.append(key)
                 held.add(key)
-                push(heap, (-seq, -pos, key))
+                dirty.add(key)
         if shield:
             self._shield(shield)
-        self._compact()
 
     def hint_dequeued(self, request_id: str) -> None:
         entry = self._reqs.pop(request_id, None)
@@ -163,7 +169,7 @@ class QueueAwarePolicy(CachePolicy):
             return
         seq, keys = entry
         wants, held, marks, marked = self._wants, self._held, self._marks, self._marked
-        heap, push = self._heap, heapq.heappush
+        dirty = self._dirty
         back: list[OffloadKey] = []
         for pos, key in enumerate(keys):
             d = wants[key]
@@ -171,8 +177,7 @@ class QueueAwarePolicy(CachePolicy):
                 del d[0]
                 if d:
                     if key in held:
-                        nseq, npos = d[0]
-                        push(heap, (-nseq, -npos, key))
+                        dirty.add(key)
                     continue
             else:
                 d.remove((seq, pos))
@@ -180,6 +185,7 @@ class QueueAwarePolicy(CachePolicy):
             del wants[key]
             if key in held:
                 held.discard(key)
+                dirty.discard(key)
                 if key in marks:
                     marked[key] = None
                 else:
@@ -187,7 +193,6 @@ class QueueAwarePolicy(CachePolicy):
         if back:
             self._release(back)
         self._trim_marked()
-        self._compact()
 
     def hint_continues(self, keys: Sequence[OffloadKey]) -> None:
         marks, marked, wants = self._marks, self._marked, self._wants
@@ -225,7 +230,7 @@ class QueueAwarePolicy(CachePolicy):
         for key in keys:
             if key in wants:
                 self._held.add(key)
-                self._push(key)
+                self._dirty.add(key)
                 shield.append(key)
             elif key in marks:
                 self._marked[key] = None
@@ -294,6 +299,7 @@ class QueueAwarePolicy(CachePolicy):
                     out.append(key)
             for key in out:
                 del marked[key]
+        self._flush()
         heap, held, wants = self._heap, self._held, self._wants
         skipped = []
         while len(out) < n:
