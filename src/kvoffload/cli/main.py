@@ -26,6 +26,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "transfer": ("kvoffload.bench.transfer", "GPU<->CPU block copy bandwidth vs bulk copy"),
     "serve": ("kvoffload.bench.serve", "the serving workload across offload configurations"),
     "tiers": ("kvoffload.bench.tiers", "disk and Redis tier throughput vs raw I/O"),
+    "tiers-vllm": (
+        "kvoffload.bench.tiers_vllm",
+        "kvoffload's disk tier vs vLLM's fs tier under vLLM's tiering manager",
+    ),
     "threads": (
         "kvoffload.bench.threads",
         "kvoffload run quiet vs beside a busy process (wall-time ratio)",
