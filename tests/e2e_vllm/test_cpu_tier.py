@@ -29,7 +29,10 @@ def test_outputs_identical_to_no_connector(
     want, got = outputs(cpu_tier_run["none"]), outputs(cpu_tier_run[name])
     same = sum(a == b for a, b in zip(want, got))
     record_property("identical_outputs", f"{same}/{len(want)}")
-    print(f"{name}: {same}/{len(want)} requests with identical output tokens")
+    starts = {n: round(e["init_s"]) for n, e in cpu_tier_run.items()}
+    print(
+        f"{name}: {same}/{len(want)} requests with identical output tokens; engine starts {starts}"
+    )
     assert len(got) == len(want) == 32 + 16
     assert same == len(want)
 

@@ -72,6 +72,7 @@ def test_lower_tier_serves_what_the_cpu_tier_evicted(
     record_property("identical_outputs", f"{same}/{len(want)}")
     record_property("kvoffload_tokens", f"{hits}/{prompt}")
     print(f"{name}: {same}/{len(want)} identical, {hits} of {prompt} prompt tokens from kvoffload")
+    print(f"engine starts (s): { {n: round(e['init_s']) for n, e in lower_tier_run.items()} }")
     assert same == len(want) == 32
     # A 24-block CPU tier cannot hold a round-robin revisit's prefix until its turn
     # comes again: most of the cached tokens came from below it.
