@@ -17,6 +17,12 @@ request's blocks at any time; a block being copied cannot be reallocated
 under the copy. When no job is in flight the connector holds no GPU ref and
 no pinned tier block.
 
+Lookups that a lower tier answers off the scheduler thread (Redis presence)
+can say "not known yet": ``get_num_new_matched_tokens`` then returns None
+(vLLM's "lookup in progress") and the engine retries the request next step,
+at most ``max_lookup_defer_steps`` times; after that the request goes ahead
+with what is known, so a slow or dead server never stalls admission.
+
 Offloaded blocks may be ``block_size_factor`` GPU blocks each; the key of an
 offloaded block is the hash of its last GPU block (which, chained, covers all
 of them).
@@ -44,6 +50,11 @@ from kvoffload.offload.base import (
 )
 
 STORE_MODES = ("eager", "lazy", "none")
+
+# Steps a waiting request may be deferred while a lower tier is still asking whether
+# it holds the request's next block (Redis presence, off the scheduler thread). A
+# bound in steps, so a slow or dead server costs a request at most this many steps.
+MAX_LOOKUP_DEFER_STEPS = 2
 
 
 @dataclass
@@ -80,7 +91,10 @@ class OffloadingConnectorScheduler:
         block_size_factor: int = 1,
         group_idx: int = 0,
         store_mode: str = "eager",
+        max_lookup_defer_steps: int = MAX_LOOKUP_DEFER_STEPS,
     ) -> None:
+        if max_lookup_defer_steps < 0:
+            raise ValueError(f"max_lookup_defer_steps must be >= 0, got {max_lookup_defer_steps}")
         if block_size <= 0 or block_size_factor <= 0:
             raise ValueError(
                 f"block_size and block_size_factor must be positive, got "
@@ -106,6 +120,11 @@ class OffloadingConnectorScheduler:
         # landed; the base contract's complete_load(keys) has no outcome.
         params = inspect.signature(manager.complete_load).parameters
         self._load_outcome = "success" in params
+        # Only managers with lower tiers that answer off-thread can say "ask again".
+        self._lookup_pending = getattr(manager, "lookup_pending", None)
+        self._wait_lookups = getattr(manager, "wait_lookups", None)
+        self.max_lookup_defer_steps = max_lookup_defer_steps
+        self._deferred: dict[str, int] = {}  # request -> steps deferred so far
 
     # -- keys -----------------------------------------------------------------
 
@@ -120,7 +139,7 @@ class OffloadingConnectorScheduler:
         block_hashes: Sequence[BlockHash],
         num_computed_tokens: int,
         num_prompt_tokens: int,
-    ) -> int:
+    ) -> int | None:
         """Tokens after ``num_computed_tokens`` (the GPU hit) that the tier can supply.
 
         ``num_prompt_tokens``: the request's tokens so far. Every full
@@ -139,6 +158,10 @@ class OffloadingConnectorScheduler:
         A GPU hit that ends inside an offloaded block gets no tier hit (a
         load must start at an offloaded block's boundary, and a gap cannot
         be skipped).
+
+        None: a lower tier is still asking whether it holds the block after
+        the hit; call again next step (at most ``max_lookup_defer_steps``
+        times per request, then the answer is what is known).
         """
         self._pending_loads.pop(req_id, None)
         bs, f = self.block_size, self.factor
@@ -156,11 +179,36 @@ class OffloadingConnectorScheduler:
             return 0
         keys = [self._key(block_hashes, j) for j in range(start, end)]
         hit = self.manager.lookup(keys)
+        if self._defer(req_id, keys, hit):
+            return None
         if hit == 0:
             return 0
         self._pending_loads[req_id] = _PendingLoad(start_gpu, keys[:hit])
         hit_end = (start + hit) * f * bs
         return min(hit_end, num_prompt_tokens - 1) - num_computed_tokens
+
+    def _defer(self, req_id: str, keys: Sequence[OffloadKey], hit: int) -> bool:
+        if self._lookup_pending is not None and self._lookup_pending(keys, hit):
+            n = self._deferred.get(req_id, 0)
+            if n < self.max_lookup_defer_steps:
+                self._deferred[req_id] = n + 1
+                return True
+        self._deferred.pop(req_id, None)
+        return False
+
+    def has_deferred_lookups(self) -> bool:
+        """Whether a request was told to ask again (``get_num_new_matched_tokens`` None)."""
+        return bool(self._deferred)
+
+    def wait_for_lookups(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for the answers deferred requests need.
+
+        Only for an engine step that has nothing else to do: a busy engine
+        just runs its other requests meanwhile. True when nothing is out.
+        """
+        if self._wait_lookups is None or not self._deferred:
+            return True
+        return bool(self._wait_lookups(timeout_s))
 
     def update_state_after_alloc(
         self, req_id: str, request_blocks: Sequence[KVCacheBlock], num_external_tokens: int
@@ -317,6 +365,7 @@ class OffloadingConnectorScheduler:
         """Forget the request. Its in-flight jobs finish on their own refs."""
         self._pending_loads.pop(req_id, None)
         self._next_store_block.pop(req_id, None)
+        self._deferred.pop(req_id, None)
         # A load still in flight for a gone request settles without waking anyone.
         self._load_job_of.pop(req_id, None)
 
@@ -358,6 +407,7 @@ class OffloadingConnectorScheduler:
         self._pending_loads.clear()
         self._next_store_block.clear()
         self._in_flight_keys.clear()
+        self._deferred.clear()
         return True
 
     def num_in_flight_jobs(self) -> int:

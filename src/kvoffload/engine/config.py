@@ -129,10 +129,8 @@ class EngineConfig:
             write_mode="write_through" if self.write_through else "write_back",
             enable_events=self.publishes_events,
             num_threads=self.transfer_threads,
-            # The reference connector looks a request up once, when it is scheduled, and
-            # has no "ask again next step" answer: with asynchronous presence a block
-            # another engine (or a previous run) stored would be a miss at first sight.
-            redis_async_presence=False,
+            # Redis presence is asked off the scheduler thread (TierConfig's default): the
+            # connector defers a request whose next block is still being asked about.
             where="EngineConfig",
         )
 

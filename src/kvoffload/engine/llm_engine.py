@@ -33,6 +33,10 @@ from kvoffload.hashing import get_hash_fn_by_name, make_none_hash
 
 TRANSFER_TIMEOUT_S = 300.0
 MAX_IDLE_STEPS = 10_000
+# A step with nothing to run but requests whose tier lookup is deferred waits this
+# long at most for the answers (returning as soon as they land): a busy engine never
+# waits, and a dead server costs a request at most this times the connector's bound.
+LOOKUP_WAIT_S = 0.02
 
 
 @dataclass
@@ -193,6 +197,8 @@ class LLMEngine:
             if self.scheduler.loading or (self.connector and self.connector.num_in_flight_jobs()):
                 self._settle_transfers(block=True)
                 self._idle_steps = 0
+            elif out.deferred and self.connector is not None:
+                self.connector.wait_for_lookups(LOOKUP_WAIT_S)
             elif self.scheduler.has_work():
                 self._idle_steps += 1
                 if self._idle_steps > MAX_IDLE_STEPS:

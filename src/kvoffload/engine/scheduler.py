@@ -8,7 +8,11 @@ front of the waiting queue (its output so far is kept and becomes prompt).
 
 A new request's prefix comes first from the GPU prefix cache, then from the
 offload tier through the connector; a tier hit parks the request in
-``WAITING_FOR_LOAD`` until the worker has copied the blocks in.
+``WAITING_FOR_LOAD`` until the worker has copied the blocks in. While a
+lower tier is still asking whether it holds a new request's next block
+(Redis presence, off the scheduler thread), the connector defers the
+request: it keeps its place in the queue, the requests behind it may start,
+and it is tried again next step (a bounded number of times).
 
 Queue hints: a request's full blocks are announced to the offload tier
 (``hint_queued``) while it waits without GPU blocks: on arrival, when
@@ -32,6 +36,8 @@ class SchedulerOutput:
     # (request, number of tokens to compute this step), in batch order
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # waiting requests whose tier lookup is still being answered: tried again next step
+    deferred: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -126,19 +132,27 @@ class Scheduler:
         # run. Give back the others' blocks (they are in the prefix cache now,
         # so they come back as GPU hits) and retry.
         stuck = not out.scheduled and not self.running and not self.loading and self.waiting
+        stuck = stuck and not out.deferred  # a deferred request starts next step on its own
         if stuck and self._release_waiting_blocks():
             self._admit_waiting(budget, out)
         return out
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.popleft()
-            if not self._admit(req, budget, out):
+            admitted = self._admit(req, budget, out)
+            if admitted is None:
+                deferred.append(req)
+                continue
+            if not admitted:
                 self.waiting.appendleft(req)
                 break
             self._hint_dequeued(req)
             if req.status is RequestStatus.RUNNING:
                 budget -= out.scheduled[-1][1]
+        self.waiting.extendleft(reversed(deferred))  # they keep their places at the front
+        out.deferred += deferred
         return budget
 
     def _release_waiting_blocks(self) -> bool:
@@ -153,8 +167,11 @@ class Scheduler:
                 released = True
         return released
 
-    def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> bool:
-        """Start ``req``: prefix hits, maybe a tier load, else a first chunk."""
+    def _admit(self, req: Request, budget: int, out: SchedulerOutput) -> bool | None:
+        """Start ``req``: prefix hits, maybe a tier load, else a first chunk.
+
+        False: no GPU room (stop admitting); None: its tier lookup is deferred.
+        """
         hit_blocks = []
         if not req.blocks:
             hit_blocks = self.kv.get_computed_blocks(req)
@@ -163,9 +180,12 @@ class Scheduler:
             if self.connector is not None:
                 if hit_blocks:
                     self.connector.touch_gpu_hit(req.block_hashes, len(hit_blocks))
-                num_ext = self.connector.get_num_new_matched_tokens(
+                matched = self.connector.get_num_new_matched_tokens(
                     req.req_id, req.block_hashes, num_gpu, req.num_tokens
                 )
+                if matched is None:
+                    return None
+                num_ext = matched
             if req.num_gpu_hit_tokens is None:
                 req.num_gpu_hit_tokens = num_gpu
                 req.num_tier_hit_tokens = num_ext

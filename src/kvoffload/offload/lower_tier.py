@@ -158,3 +158,9 @@ class LowerTierManager(OffloadingManager):
         Local tiers always know: False.
         """
         return False
+
+    def wait_answers(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for the answers ``awaiting`` reports; False if some are
+        still out. For an engine with nothing else to do this step; local tiers: True at once.
+        """
+        return True

@@ -41,6 +41,7 @@ then drops it.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -251,6 +252,15 @@ class TieredOffloadingManager(OffloadingManager):
         if self.cpu.is_stored(k) or self.cpu.is_storing(k):
             return False
         return any(t.awaiting(k) for t in self.lower)
+
+    def wait_lookups(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` in all for the lower tiers' pending presence answers.
+
+        Only for a caller with nothing else to do (an idle engine step); False if
+        some answers are still out (a slow or dead server: go on without them).
+        """
+        deadline = time.monotonic() + timeout_s
+        return all(t.wait_answers(max(0.0, deadline - time.monotonic())) for t in self.lower)
 
     def prepare_load(self, keys: Sequence[OffloadKey]) -> LoadStoreSpec:
         keys = list(keys)

@@ -131,6 +131,12 @@ class RemoteOffloadingManager(LowerTierManager):
             return False
         return self.presence.unanswered([key])[0]
 
+    def wait_answers(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for the presence probes queued or in flight."""
+        if self.presence is None:
+            return True
+        return self.presence.wait_idle(timeout_s)
+
     def is_stored(self, key: OffloadKey) -> bool:
         return self.stored_mask([key])[0]
 
