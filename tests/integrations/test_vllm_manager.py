@@ -126,6 +126,17 @@ def test_no_cpu_room_to_promote_is_a_miss() -> None:
     assert m.lookup(key(5), r) is MISS
 
 
+def test_promotion_room_is_the_cpu_managers_num_room_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    m = tiered(n_cpu=2)
+    store(m, [key(1), key(2)])
+    store(m, [key(3), key(4)])  # keys 1 and 2 now only on disk, CPU slots evictable
+    r = ctx("a")
+    monkeypatch.setattr(m.cpu, "num_room_blocks", lambda: 1)  # a manager keeping headroom
+    assert m.lookup(key(1), r) is HIT and m.lookup(key(2), r) is MISS
+
+
 def test_a_failed_promotion_drops_the_lower_tier_copy() -> None:
     m = tiered(n_cpu=2)
     store(m, [key(1), key(2)])

@@ -281,7 +281,7 @@ class OffloadingConnectorScheduler:
         cands = [(k, b) for k, b in candidates if k not in self._in_flight_keys]
         # More than the tier can take at once: store the head of the chain, the
         # part every later hit needs first, rather than nothing.
-        room = self.manager.num_free_blocks() + self.manager.num_evictable_blocks()
+        room = self.manager.num_room_blocks()
         if len(cands) > room:
             self.stats.stores_skipped_no_room += len(cands) - room
             cands = cands[:room]

@@ -49,7 +49,7 @@ class SimpleCPUOffloadScheduler(OffloadingConnectorScheduler):
         return True
 
     def cpu_room(self) -> int:
-        return self.manager.num_free_blocks() + self.manager.num_evictable_blocks()
+        return self.manager.num_room_blocks()
 
     def schedule_lazy_stores(self, window: int) -> int:
         """Make the first ``window`` GPU free blocks safe to evict; returns blocks queued."""

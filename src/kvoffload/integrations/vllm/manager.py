@@ -273,7 +273,7 @@ class KVOffloadManager(OffloadingManager):
             state = _RequestLookups()
             req_context.set_state(state)
         wanted = state.promotions | {key}
-        room = self.cpu.num_free_blocks() + self.cpu.num_evictable_blocks()
+        room = self.cpu.num_room_blocks()
         if len(wanted) > room:
             return LookupResult.MISS
         state.promotions = wanted
