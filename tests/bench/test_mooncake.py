@@ -191,6 +191,26 @@ def test_block_size_is_checked_against_the_trace(
     assert out["settings"]["block_size"] == 512
 
 
+def test_a_trace_of_another_block_size_is_replayed_at_that_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 16-token ids, each request ending in a partial block: at 512 tokens per block
+    # (the default) every request would have zero full blocks.
+    rows = [
+        {"timestamp": i, "input_length": 16 * 5 + 3, "output_length": 4, "hash_ids": ids}
+        for i, ids in enumerate([[1, 2, 3, 4, 5, 90 + i] for i in range(12)])
+    ]
+    p = tmp_path / "t16.jsonl"
+    write_trace(p, rows)
+    out = run_json(capsys, "--mooncake", str(p), "--block-size", "16", "--out", str(tmp_path))
+    s = out["settings"]
+    assert s["block_size"] == 16
+    assert s["unique_blocks"] == 5 and s["longest_request_blocks"] == 5
+    for row in out["results"].values():
+        assert row["blocks"] == 5 * len(rows)  # full blocks at 16 tokens, partial ones left out
+    assert out["reference"]["ceiling_hit_rate"] == pytest.approx(1 - 5 / (5 * len(rows)))
+
+
 def test_requests_and_concurrency_are_honoured(
     trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

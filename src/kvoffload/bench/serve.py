@@ -351,8 +351,8 @@ def mooncake_settings(args: argparse.Namespace, reqs: list[Any]) -> dict[str, An
             )
     block_size = args.block_size if _given(args, "block_size") else MOONCAKE_BLOCK_SIZE
     check_block_size(reqs, block_size)
-    unique = unique_blocks(reqs)
-    longest = longest_request(reqs)
+    unique = unique_blocks(reqs, block_size)
+    longest = longest_request(reqs, block_size)
     gpu = (
         args.num_gpu_blocks
         if _given(args, "num_gpu_blocks")
@@ -392,18 +392,23 @@ def run_mooncake(args: argparse.Namespace) -> int:
     settings.update(policies=policies, default_policy=default_policy)
     gpu, cpu, mode = settings["gpu_blocks"], settings["cpu_blocks"], settings["store_mode"]
     start = time.perf_counter()
-    keys = trace_keys(reqs)
+    block_size = settings["block_size"]
+    keys = trace_keys(reqs, block_size)
     reference = {
         "ceiling_hit_rate": ceiling_hit_rate(keys),
         "belady_hit_rate_gpu_plus_cpu": belady_hit_rate(keys, gpu + cpu),
         "belady_hit_rate_cpu": belady_hit_rate(keys, cpu),
     }
     hold = args.concurrency
-    rows = {"gpu-only": replay_mooncake(reqs, gpu, None, hold_requests=hold).as_dict()}
+    rows = {
+        "gpu-only": replay_mooncake(
+            reqs, gpu, None, hold_requests=hold, block_size=block_size
+        ).as_dict()
+    }
     if mode != "off":
         for p in policies:
             name = f"cpu/{p}" + ("*" if p == default_policy else "")
-            rows[name] = replay_mooncake(reqs, gpu, cpu, p, hold, mode).as_dict()
+            rows[name] = replay_mooncake(reqs, gpu, cpu, p, hold, mode, block_size).as_dict()
     run_s = time.perf_counter() - start
     report = {"settings": settings, "reference": reference, "results": rows, "run_s": run_s}
     out: Path = args.out
