@@ -135,3 +135,13 @@ def test_lower_tiers_bring_vllms_tiering_metrics_and_the_tiers_own() -> None:
     assert "kvoffload:tier_checksum_failures" in names
     assert KVOffloadSpec.build_metric_definitions({"cpu_bytes": "1GiB"}) == {}
     assert "tier" in KVOffloadSpec.config_info_keys(extra)
+
+
+@pytest.mark.parametrize("value", ["maybe", 2, None])
+def test_a_bad_boolean_names_the_extra_config_key(value: object) -> None:
+    with pytest.raises(KVOffloadConfigError) as info:
+        parse_settings({"cpu_bytes": "1GiB", "write_through": value})
+    assert str(info.value) == (
+        f"kv_connector_extra_config['write_through']: expected true or false, got {value!r}"
+    )
+    assert parse_settings({"cpu_bytes": "1GiB", "write_through": " False "}).write_through is False

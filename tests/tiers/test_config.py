@@ -126,3 +126,20 @@ def test_the_cli_builds_it_with_a_byte_budget(tmp_path) -> None:
     assert c.redis_url is None
     with pytest.raises(ValueError, match="disk_bytes needs disk_dir"):
         EngineConfig(disk_bytes=1 << 20)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(True, True), (False, False), (" TRUE ", True), ("false", False), ("1", True), (0, False)],
+)
+def test_one_boolean_parser(value: object, expected: bool) -> None:
+    from kvoffload.tiers.config import parse_bool
+
+    assert parse_bool(value) is expected
+
+
+@pytest.mark.parametrize("value", ["maybe", 2, 1.5, ""])
+def test_a_bad_boolean_names_the_key_and_the_value(value: object) -> None:
+    with pytest.raises(TierConfigError) as e:
+        TierConfig.from_mapping({"redis_url": "redis://h", "direct_io": value}, where="cfg")
+    assert str(e.value) == f"cfg['direct_io']: expected true or false, got {value!r}"

@@ -63,14 +63,25 @@ def _parse_size(where: str, key: str, value: Any) -> int:
     return n
 
 
-def _parse_bool(where: str, key: str, value: Any) -> bool:
+def parse_bool(value: Any) -> bool:
+    """A boolean setting as config files and CLIs write it: a bool, "true"/"false"/"1"/"0"
+    (any case, spaces around), or the integers 0 and 1; anything else is a ``ValueError``
+    whose message is "expected true or false, got <value>" (callers prefix the key).
+    """
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
         return value.strip().lower() in ("true", "1")
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
-    raise _fail(where, key, f"expected true or false, got {value!r}")
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _parse_bool(where: str, key: str, value: Any) -> bool:
+    try:
+        return parse_bool(value)
+    except ValueError as exc:
+        raise _fail(where, key, str(exc)) from None
 
 
 def parse_redis_url(value: Any, *, where: str = "", key: str = "redis_url") -> str:

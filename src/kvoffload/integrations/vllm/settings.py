@@ -33,7 +33,7 @@ from typing import Any
 
 from kvoffload.offload.cpu_manager import DEFAULT_CACHE_POLICY
 from kvoffload.offload.policies import policy_names
-from kvoffload.tiers.config import TierConfig, TierConfigError, parse_redis_url
+from kvoffload.tiers.config import TierConfig, TierConfigError, parse_bool, parse_redis_url
 from kvoffload.transfer.sizing import parse_bytes
 
 KVOFFLOAD_KEYS: tuple[str, ...] = (
@@ -145,13 +145,10 @@ def _size(key: str, value: Any) -> int:
 
 
 def _bool(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
-        return value.strip().lower() in ("true", "1")
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    raise _fail(key, f"expected true or false, got {value!r}")
+    try:
+        return parse_bool(value)
+    except ValueError as exc:
+        raise _fail(key, str(exc)) from None
 
 
 def _nonneg_int(key: str, value: Any) -> int:
