@@ -30,6 +30,7 @@ from kvoffload.engine.threads import apply_thread_policy
 from kvoffload.events import KVEvent
 from kvoffload.events.publisher import make_publisher
 from kvoffload.hashing import get_hash_fn_by_name, make_none_hash
+from kvoffload.offload.media import CPU_MEDIUM
 
 TRANSFER_TIMEOUT_S = 300.0
 MAX_IDLE_STEPS = 10_000
@@ -288,8 +289,8 @@ class LLMEngine:
             return None
         loaded = by_medium()
         bs = self.config.block_size
-        cpu = loaded.get("CPU", 0)
-        lower = sum(n for medium, n in loaded.items() if medium != "CPU")
+        cpu = loaded.get(CPU_MEDIUM, 0)
+        lower = sum(n for medium, n in loaded.items() if medium != CPU_MEDIUM)
         return {"cpu_hit_tokens": cpu * bs, "lower_hit_tokens": lower * bs}
 
     def take_kv_events(self) -> list[KVEvent]:

@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvoffload.offload import CPULoadStoreSpec, GPULoadStoreSpec
+from kvoffload.offload.media import CPU_MEDIUM, GPU_MEDIUM
 from kvoffload.transfer.handler import TransferHandler, describe_error
 from kvoffload.transfer.spec import TransferResult, TransferSpec
-
-GPU, CPU = "GPU", "CPU"
 
 
 @dataclass
@@ -54,13 +53,13 @@ class ChunkSplitHandler(TransferHandler):
     def split(self, spec: TransferSpec) -> dict[int, TransferSpec]:
         """The job's parts by sub-block position; ``ValueError`` for a job that cannot run."""
         f = self.factor
-        if spec.media == (GPU, CPU):
+        if spec.media == (GPU_MEDIUM, CPU_MEDIUM):
             gpu, chunks, skip = spec.src.block_ids, spec.dst.block_ids, 0  # type: ignore[attr-defined]
             if gpu.size != chunks.size * f:
                 raise ValueError(
                     f"store of {gpu.size} GPU blocks into {chunks.size} chunks of {f} blocks"
                 )
-        elif spec.media == (CPU, GPU):
+        elif spec.media == (CPU_MEDIUM, GPU_MEDIUM):
             chunks, gpu = spec.src.block_ids, spec.dst.block_ids  # type: ignore[attr-defined]
             skip = chunks.size * f - gpu.size
             if not (0 <= skip < f or chunks.size == gpu.size == 0):
@@ -77,7 +76,7 @@ class ChunkSplitHandler(TransferHandler):
                 continue
             gpu_ids = GPULoadStoreSpec(gpu[mine - skip])
             slots = CPULoadStoreSpec(chunks[mine // f])
-            is_store = spec.media[0] == GPU
+            is_store = spec.media[0] == GPU_MEDIUM
             parts[j] = TransferSpec(gpu_ids, slots) if is_store else TransferSpec(slots, gpu_ids)
         if not parts:
             parts[0] = spec  # an empty job: let one handler report it

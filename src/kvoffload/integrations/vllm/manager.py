@@ -55,6 +55,7 @@ from vllm.v1.kv_offload.base import (
 from kvoffload.offload import CPULoadStoreSpec, CPUOffloadingManager
 from kvoffload.offload import OffloadingManager as KVOffloadingManager
 from kvoffload.offload.lower_tier import DISK_MEDIUM, REMOTE_MEDIUM, TieredLoadStoreSpec
+from kvoffload.offload.media import CPU_MEDIUM
 from kvoffload.offload.tiered_manager import TieredOffloadingManager
 
 # Under "vllm." so that vLLM's logging configuration shows these lines.
@@ -64,7 +65,7 @@ logger = logging.getLogger("vllm.kvoffload")
 #: The CPU tier is vLLM's primary tier (no ownership); lower tiers are
 #: secondary tiers named by their kvoffload medium.
 EVENT_MEDIA: dict[str, tuple[Medium, Locality | None, str | None]] = {
-    "CPU": (Medium.CPU, None, None),
+    CPU_MEDIUM: (Medium.CPU, None, None),
     DISK_MEDIUM: (Medium.STORAGE, Locality.LOCAL, DISK_MEDIUM),
     REMOTE_MEDIUM: (Medium.STORAGE, Locality.REMOTE, REMOTE_MEDIUM),
 }

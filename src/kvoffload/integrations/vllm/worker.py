@@ -53,6 +53,7 @@ from kvoffload.integrations.vllm.chunk_rows import ChunkSplitHandler
 from kvoffload.integrations.vllm.manager import KVOffloadJobSpec
 from kvoffload.offload import CPULoadStoreSpec as KVCPUSpec
 from kvoffload.offload import GPULoadStoreSpec as KVGPUSpec
+from kvoffload.offload.media import CPU_MEDIUM, GPU_MEDIUM
 from kvoffload.transfer import HostPool, KVGeometry, KVLayout
 from kvoffload.transfer.handler import TransferHandler
 from kvoffload.transfer.worker import OffloadingWorker as KVWorker
@@ -65,7 +66,6 @@ if TYPE_CHECKING:
 # Under "vllm." so that vLLM's logging configuration shows these lines.
 logger = logging.getLogger("vllm.kvoffload")
 
-GPU, CPU = "GPU", "CPU"
 #: The job tag of a job that no kvoffload manager prepared (vLLM's tiering manager did).
 NO_OP = -1
 
@@ -145,8 +145,8 @@ class KVOffloadWorker(OffloadingWorker):
             )
         else:
             handler = make_cpu_gpu_handler(gpu_tensors, layout, host_pool, num_threads)
-        self.worker.register_handler(GPU, CPU, handler)
-        self.worker.register_handler(CPU, GPU, handler)
+        self.worker.register_handler(GPU_MEDIUM, CPU_MEDIUM, handler)
+        self.worker.register_handler(CPU_MEDIUM, GPU_MEDIUM, handler)
         if lower is not None:
             lower.register(self.worker)
         self._jobs: dict[int, _Job] = {}
