@@ -71,6 +71,10 @@ class ReplayResult:
         return self.block_ops / self.seconds if self.seconds > 0 else 0.0
 
 
+# argparse %-formats help strings.
+_LOOP_CAPACITY_HELP = LOOP_CAPACITY.replace("%", "%%")
+
+
 def replay(
     trace: Trace,
     policy: str,
@@ -306,7 +310,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=KINDS,
         default=None,
         help="replay a seeded synthetic trace of this kind instead (default: mixed; "
-        f"loop: 8 prompts in turn, whose working set is twice the tier at {LOOP_CAPACITY})",
+        f"loop: 8 prompts in turn, whose working set is twice the tier at {_LOOP_CAPACITY_HELP})",
     )
     parser.add_argument(
         "--requests",
@@ -322,7 +326,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=None,
         help="CPU tier sizes: block counts, or %% of the trace's unique blocks "
-        f"(default: 1%% 5%% 10%% 25%%; for --generate loop {LOOP_CAPACITY}%% too)",
+        f"(default: 1%% 5%% 10%% 25%%; for --generate loop {_LOOP_CAPACITY_HELP} too)",
     )
     parser.add_argument(
         "--lookahead-s",
