@@ -52,9 +52,12 @@ engine: $(ENGINE_STAMP)
 run: $(CORE_STAMP)
 	$(BIN)/kvoffload run
 
+# pytest's exit status 5 (no tests collected) is a failure, named as such.
 test: $(TEST_STAMP) $(ENGINE_STAMP)
 	$(BIN)/ruff check src tests
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; fi; \
+	exit $$rc
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check src tests
