@@ -134,3 +134,16 @@ def test_bad_config(kwargs: dict) -> None:
 def test_bad_block_size() -> None:
     with pytest.raises(ValueError):
         TraceHasher(0)
+
+
+def test_continuing_turns_are_all_but_each_conversations_last() -> None:
+    from kvoffload.bench.workload import continuing_request_ids
+
+    trace = list(generate_trace(WorkloadConfig(num_requests=200, seed=3)))
+    cont = continuing_request_ids(trace)
+    turns: dict[int, list[str]] = defaultdict(list)
+    for r in trace:
+        turns[r.conversation_id].append(r.req_id)
+    assert cont == {i for ids in turns.values() for i in ids[:-1]}
+    assert any(len(ids) > 1 for ids in turns.values()) and len(cont) < len(trace)
+    assert continuing_request_ids([]) == set()

@@ -84,3 +84,37 @@ def test_bench_serve_compares_configurations(tmp_path, capsys) -> None:
     assert by_label[eager]["prefill_tokens_computed"] < by_label["off"]["prefill_tokens_computed"]
     assert (tmp_path / "serve.png").stat().st_size > 0
     assert "| off |" in (tmp_path / "serve.md").read_text()
+
+
+def test_run_sends_the_session_hint_for_every_turn_but_a_conversations_last(
+    monkeypatch, capsys
+) -> None:
+    from kvoffload.bench.serving import demo_workload
+    from kvoffload.bench.workload import continuing_request_ids, generate_trace
+    from kvoffload.connector.scheduler import OffloadingConnectorScheduler
+    from kvoffload.engine.llm_engine import LLMEngine
+
+    sent: dict[str, bool] = {}
+    vocab: list[int] = []
+    continued: list[int] = []
+    real_add = LLMEngine.add_request
+    real_continues = OffloadingConnectorScheduler.request_continues
+
+    def add_request(self, prompt, sampling=None, req_id=None, continues=False, **kw):  # type: ignore[no-untyped-def]
+        sent[req_id] = continues
+        vocab.append(self.runner.vocab_size)
+        return real_add(self, prompt, sampling, req_id, continues, **kw)
+
+    def request_continues(self, block_hashes):  # type: ignore[no-untyped-def]
+        continued.append(len(block_hashes))
+        return real_continues(self, block_hashes)
+
+    monkeypatch.setattr(LLMEngine, "add_request", add_request)
+    monkeypatch.setattr(OffloadingConnectorScheduler, "request_continues", request_continues)
+    assert main(["run", "--requests", "24", "--json"]) == 0
+    capsys.readouterr()
+    trace = list(generate_trace(demo_workload(vocab[0], num_requests=24)))
+    expected = continuing_request_ids(trace)
+    assert expected and len(expected) < len(trace)
+    assert {r for r, c in sent.items() if c} == expected
+    assert len(continued) == len(expected)  # each reached the connector when it finished

@@ -8,7 +8,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvoffload.bench.workload import TraceRequest, WorkloadConfig, generate_trace
+from kvoffload.bench.workload import (
+    TraceRequest,
+    WorkloadConfig,
+    continuing_request_ids,
+    generate_trace,
+)
 from kvoffload.engine.config import EngineConfig
 from kvoffload.engine.llm_engine import LLMEngine, RequestOutput
 from kvoffload.engine.request import SamplingParams
@@ -66,6 +71,8 @@ def run_trace(
 
     Each turn generates as many tokens as its scripted reply (the next turn's
     prompt carries the scripted reply, so the prefix structure stays the trace's).
+    Every turn but its conversation's last in ``trace`` is sent with
+    ``continues=True`` (the session hint; the trace's future decides it).
     ``progress`` is an optional ``rich.progress.Progress`` task pair ``(progress, task)``;
     ``on_output`` sees every finished request's output (with its logits when recorded).
     """
@@ -73,6 +80,7 @@ def run_trace(
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     start = time.perf_counter()
     pending = list(reversed(trace))
+    continuing = continuing_request_ids(trace)
     outputs: list[RequestOutput] = []
     in_flight = 0
     while pending or engine.has_unfinished_requests():
@@ -82,6 +90,7 @@ def run_trace(
                 req.prompt_token_ids,
                 SamplingParams(max_tokens=len(req.output_token_ids)),
                 req_id=req.req_id,
+                continues=req.req_id in continuing,
             )
             in_flight += 1
         for out in engine.step():

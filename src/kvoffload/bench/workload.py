@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -160,6 +160,21 @@ def generate_trace(config: WorkloadConfig | None = None) -> Iterator[TraceReques
         conv.history = prompt + output
         conv.turn += 1
         conv.turns_left -= 1
+
+
+def continuing_request_ids(trace: Iterable[TraceRequest]) -> set[str]:
+    """The turns whose conversation has a later turn in ``trace``: all but each one's last.
+
+    A replay passes these as session hints (``continues=True``). The trace's own
+    future decides, so a conversation cut off by the end of the trace ends there.
+    """
+    last: dict[int, str] = {}
+    ids: list[str] = []
+    for req in trace:
+        last[req.conversation_id] = req.req_id
+        ids.append(req.req_id)
+    final = set(last.values())
+    return {i for i in ids if i not in final}
 
 
 def iter_prompts(config: WorkloadConfig | None = None) -> Iterator[list[int]]:
