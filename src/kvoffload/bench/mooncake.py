@@ -15,7 +15,8 @@ offloading connector drives its tiers: the GPU prefix cache is looked up; the
 CPU tier is looked up for the blocks after the GPU hit and the hit is loaded; every block of the
 request is touched in the CPU tier (a full GPU hit included); then the
 request's blocks, GPU hits too, are offered to the CPU tier
-(``prepare_store``: the tier keeps those it does not hold yet), eagerly, or,
+(``admit`` first, as kvoffload's connector: only the keys the tier admits
+go to ``prepare_store``, which keeps those it does not hold yet), eagerly, or,
 in ``lazy`` mode, each cached GPU block is offered just before its eviction.
 A store the tier refuses for lack of room is counted, never dropped in
 silence, and no request is ever truncated: one longer than the GPU tier is a
@@ -76,6 +77,7 @@ class ReplayResult:
     blocks_offered: int = 0  # keys handed to prepare_store
     blocks_stored: int = 0  # keys the tier took (not already there)
     stores_refused: int = 0  # keys offered when prepare_store found no room
+    stores_declined: int = 0  # keys the tier's admission declined (never offered to it)
     block_ops: int = 0  # keys handed to CPU-tier manager calls
     seconds: float = 0.0
 
@@ -103,6 +105,7 @@ class ReplayResult:
             "blocks_offered": self.blocks_offered,
             "blocks_stored": self.blocks_stored,
             "stores_refused": self.stores_refused,
+            "stores_declined": self.stores_declined,
             "block_ops": self.block_ops,
             "ops_per_s": self.ops_per_s,
             "seconds": self.seconds,
@@ -194,6 +197,12 @@ def replay_mooncake(
             return
         res.blocks_offered += len(keys)
         res.block_ops += len(keys)
+        flags = manager.admit(keys)  # as kvoffload's connector: only admitted keys are offered
+        if flags is not None:
+            keys = [k for k, f in zip(keys, flags) if f]
+            res.stores_declined += len(flags) - len(keys)
+            if not keys:
+                return
         out = manager.prepare_store(keys)
         if out is None:
             res.stores_refused += len(keys)

@@ -2,8 +2,10 @@
 
 Each request is replayed as a connector drives the tier, with nothing else in
 the way (no GPU tier): ``lookup`` of its blocks (the leading stored ones are
-its hits), ``prepare_load`` / ``complete_load`` of the hits, then
-``prepare_store`` of the rest and ``complete_store`` of what the tier took,
+its hits), ``prepare_load`` / ``complete_load`` of the hits, then ``admit``
+of the rest (the tier's admission filter; declined keys are not offered, as
+kvoffload's connector does), ``prepare_store`` of the admitted keys and
+``complete_store`` of what the tier took,
 and ``touch`` of those of the rest that were already stored. kvoffload's
 policies run through ``CPUOffloadingManager``; vLLM's own ``lru`` and ``arc``
 (and ``lru`` with ``store_threshold=2``, vLLM's admission filter) run through
@@ -81,8 +83,12 @@ def replay(
     capacity: int,
     times: Sequence[float] | None = None,
     lookahead_ms: float = 0.0,
+    admission: bool = True,
 ) -> ReplayResult:
     """Drive a fresh kvoffload manager through ``trace``; see the module docstring.
+
+    ``admission``: ask the manager which new keys to store (``admit``) and offer
+    only those, as kvoffload's connector does; False offers every key.
 
     ``times`` (ms, non-decreasing) with ``lookahead_ms > 0`` sends queue hints;
     hint keys are not counted as block ops (their time is).
@@ -90,6 +96,7 @@ def replay(
     m = CPUOffloadingManager(capacity, cache_policy=policy)
     lookup, prepare_load, complete_load = m.lookup, m.prepare_load, m.complete_load
     prepare_store, complete_store, touch = m.prepare_store, m.complete_store, m.touch
+    admit = m.admit if admission else _admit_all
     hinted = times is not None and lookahead_ms > 0
     queued, dequeued = _hint_calls(m)
     announced = 0
@@ -120,6 +127,11 @@ def replay(
         rest = keys[hit:]
         if not rest:
             continue
+        flags = admit(rest)
+        if flags is not None:
+            rest = [k for k, f in zip(rest, flags) if f]
+            if not rest:
+                continue
         out = prepare_store(rest)
         ops += len(rest)
         if out is None:
@@ -134,6 +146,10 @@ def replay(
             ops += len(stored)
     seconds = time.perf_counter() - start
     return ReplayResult(policy, capacity, blocks, hits, ops, seconds, refused)
+
+
+def _admit_all(keys: Sequence[OffloadKey]) -> None:
+    return None
 
 
 def _hint_calls(

@@ -78,6 +78,7 @@ class ConnectorStats:
     stores_ok: int = 0
     stores_failed: int = 0
     stores_skipped_no_room: int = 0
+    stores_declined: int = 0  # offloaded blocks the tier's admission declined (not stored)
     blocks_loaded: int = 0
     blocks_stored: int = 0
 
@@ -115,6 +116,9 @@ class OffloadingConnectorScheduler:
         self._load_job_of: dict[str, int] = {}
         self._next_store_block: dict[str, int] = {}  # eager: next offloaded-block index
         self._in_flight_keys: set[OffloadKey] = set()
+        # Lazy stores: keys the tier declined, not offered again by the walk until a GPU
+        # hit reads them (then freeing them again is a new sighting). Bounded, oldest out.
+        self._declined: dict[OffloadKey, None] = {}
         self._meta = ConnectorMetadata()
         # Managers with lower tiers want to know whether a load's promotions
         # landed; the base contract's complete_load(keys) has no outcome.
@@ -273,10 +277,13 @@ class OffloadingConnectorScheduler:
     def store_blocks(
         self, req_id: str, candidates: Sequence[tuple[OffloadKey, Sequence[KVCacheBlock]]]
     ) -> int:
-        """Queue one store job for those of ``candidates`` the tier lacks.
+        """Queue one store job for those of ``candidates`` the tier lacks and admits.
 
         Returns how many offloaded blocks are being stored. Keys already stored
-        are touched (recency); keys whose store is in flight are skipped.
+        are touched (recency); keys whose store is in flight are skipped. The
+        tier is asked first which keys are worth a slot (``manager.admit``):
+        only those are offered to ``prepare_store``, so a block its admission
+        filter would evict first never displaces a stored one.
         """
         cands = [(k, b) for k, b in candidates if k not in self._in_flight_keys]
         # More than the tier can take at once: store the head of the chain, the
@@ -287,6 +294,15 @@ class OffloadingConnectorScheduler:
             cands = cands[:room]
         if not cands:
             return 0
+        flags = self.manager.admit([k for k, _ in cands])
+        if flags is not None:
+            declined = [k for (k, _), f in zip(cands, flags) if not f]
+            self.stats.stores_declined += len(declined)
+            if self.store_mode == "lazy":
+                self._remember_declined(declined)
+            cands = [c for c, f in zip(cands, flags) if f]
+            if not cands:
+                return 0
         keys = [k for k, _ in cands]
         out = self.manager.prepare_store(keys)
         if out is None:
@@ -310,11 +326,27 @@ class OffloadingConnectorScheduler:
 
     # -- GPU hits -------------------------------------------------------------
 
+    def _remember_declined(self, keys: Sequence[OffloadKey]) -> None:
+        declined = self._declined
+        for k in keys:
+            declined[k] = None
+        limit = max(1024, self.pool.num_blocks)
+        while len(declined) > limit:
+            del declined[next(iter(declined))]
+
+    def was_declined(self, key: OffloadKey) -> bool:
+        """Whether the tier declined ``key`` and no GPU hit has read it since (lazy stores)."""
+        return key in self._declined
+
     def touch_gpu_hit(self, block_hashes: Sequence[BlockHash], num_blocks: int) -> None:
         """A GPU prefix hit also counts as a use of the same blocks in the tier."""
         n = num_blocks // self.factor
         if n:
-            self.manager.touch([self._key(block_hashes, j) for j in range(n)])
+            keys = [self._key(block_hashes, j) for j in range(n)]
+            self.manager.touch(keys)
+            if self._declined:
+                for k in keys:
+                    self._declined.pop(k, None)
 
     # -- per step -------------------------------------------------------------
 
@@ -408,6 +440,7 @@ class OffloadingConnectorScheduler:
         self._next_store_block.clear()
         self._in_flight_keys.clear()
         self._deferred.clear()
+        self._declined.clear()
         return True
 
     def num_in_flight_jobs(self) -> int:

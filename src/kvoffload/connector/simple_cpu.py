@@ -39,7 +39,11 @@ class SimpleCPUOffloadScheduler(OffloadingConnectorScheduler):
         if h is None:
             return False
         key = make_offload_key(h, self.group_idx)
-        return key not in self._in_flight_keys and not self.manager.is_stored(key)
+        return (
+            key not in self._in_flight_keys
+            and not self.manager.is_stored(key)
+            and not self.was_declined(key)
+        )
 
     def reset_cache(self) -> bool:
         """As the base class; the lazy walk also starts over (the tier lost its copies)."""

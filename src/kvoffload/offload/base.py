@@ -227,6 +227,22 @@ class OffloadingManager(ABC):
     # O(keys of the request) per call; a manager must not scan its stored
     # blocks to act on one.
 
+    def admit(self, keys: Sequence[OffloadKey]) -> list[bool] | None:
+        """Which of ``keys`` (a store about to be offered, chain order) are worth storing.
+
+        Optional and additive: ``prepare_store`` still stores every new key it
+        is given. A caller that decides what to store (the connector, a replay)
+        may ask first and offer only the admitted keys, so that a block the
+        tier's admission filter would evict first takes no slot. One flag per
+        key of ``keys``; keys already stored (or storing) are always admitted;
+        a declined key is simply not stored (a later offer may admit it: being
+        asked counts as a sighting). None (the default): admit every key. The
+        caller should follow the answer with ``prepare_store`` of the admitted
+        keys before asking again (the policy's own bookkeeping counts the
+        offer once, here). Costs O(len(keys)).
+        """
+        return None
+
     def hint_queued(self, request_id: str, keys: Sequence[OffloadKey]) -> None:
         """Request ``request_id`` has arrived and waits; ``keys`` are its full blocks' keys.
 

@@ -183,6 +183,20 @@ class CPUOffloadingManager(OffloadingManager):
             new, CPULoadStoreSpec(slots), victims, CPULoadStoreSpec(victim_slots)
         )
 
+    def admit(self, keys: Sequence[OffloadKey]) -> list[bool] | None:
+        """The policy's admission (``CachePolicy.admit``) for the keys not held yet."""
+        slot_of = self._slot_of
+        new = [k for k in dict.fromkeys(keys) if k not in slot_of]
+        if not new:
+            return None
+        flags = self.policy.admit(new, len(self._storing))
+        if flags is None:
+            return None
+        declined = {k for k, f in zip(new, flags) if not f}
+        if not declined:
+            return None
+        return [k not in declined for k in keys]
+
     def _hint_continuations(self, keys: list[OffloadKey]) -> None:
         """Tell the policy which new keys continue a stored one (see ``hint_parent``)."""
         slot_of, storing, hint = self._slot_of, self._storing, self.policy.hint_parent

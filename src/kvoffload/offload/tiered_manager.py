@@ -453,6 +453,10 @@ class TieredOffloadingManager(OffloadingManager):
             out.evicted_spec,
         )
 
+    def admit(self, keys: Sequence[OffloadKey]) -> list[bool] | None:
+        """The CPU tier's admission: stores land there first."""
+        return self.cpu.admit(keys)
+
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
         """Complete the CPU store of ``keys`` (any superset, e.g. ``prepare_store``'s keys).
 

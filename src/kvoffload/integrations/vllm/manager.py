@@ -359,6 +359,12 @@ class KVOffloadManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         ordered = self._eligible(list(dict.fromkeys(keys)))
+        if ordered:
+            # The tier's admission: a declined block is not stored (vLLM stores only
+            # keys_to_store, as with its own store_threshold), so it takes no slot.
+            flags = self.inner.admit(ordered)
+            if flags is not None:
+                ordered = [k for k, f in zip(ordered, flags) if f]
         if not ordered:
             return PrepareStoreOutput([], KVOffloadJobSpec(CPULoadStoreSpec([]), -1), [])
         out = self.inner.prepare_store(ordered)

@@ -129,6 +129,7 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
         self._calls = 0  # observed calls with sampled keys (the BIP shadow's admission clock)
         self._max_store = 0  # the most new keys one store has brought
         self._pinned_rejects: set[OffloadKey] = set()
+        self._offered: dict[OffloadKey, bool] | None = None  # ``admit``'s last decisions
         self.mode = SECOND  # until the shadows have seen enough: measured safer than ALL
         self._keep = 1.0 - 1.0 / (self.window * shadow_cap)
 
@@ -241,7 +242,58 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
                 keys = [k for k in keys if k not in rejects]
         self.inner.unpin(keys)
 
+    # Admission asked ahead (``admit``): the same decision the store's ``evict`` makes
+    # (same shadows, history and BIP clock), taken before the manager makes room, so a
+    # declined key need not be stored at all. Declined keys are still stored where that
+    # costs no kept key (free slots and the reject FIFO's, beyond the admitted ones):
+    # there they are rejects, as before. The decisions wait in ``_offered`` for the
+    # store's ``evict``, which then neither observes nor decides again.
+
+    def admit(self, keys: Sequence[OffloadKey], in_flight: int = 0) -> list[bool] | None:
+        self._offered = None
+        if not keys:
+            return None
+        self._observe(keys)
+        if len(keys) > self._max_store:
+            self._max_store = min(len(keys), self.capacity // 2)
+        history, mode = self.history, self.mode
+        if mode == SECOND:
+            decided = []
+            for k in keys:
+                if k in history:
+                    history.move_to_end(k)
+                    decided.append(True)
+                else:
+                    history[k] = None
+                    decided.append(False)
+        else:
+            ok = True
+            if mode == BIP:
+                self._stores += 1
+                ok = len(keys) <= self._room() or self._stores % self.bip_period == 0
+            for k in keys:
+                history[k] = None
+                history.move_to_end(k)
+            decided = [ok] * len(keys)
+        while len(history) > self._history_size:
+            history.popitem(last=False)
+        self._offered = dict(zip(keys, decided))
+        spare = (
+            self.capacity - len(self.inner) - len(self._pinned_rejects) - in_flight - sum(decided)
+        )
+        flags = list(decided)
+        for i, f in enumerate(flags):
+            if spare <= 0:
+                break
+            if not f:
+                flags[i] = True
+                spare -= 1
+        return flags
+
     def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
+        offered, self._offered = self._offered, None
+        if offered is not None and incoming and all(k in offered for k in incoming):
+            return self._evict_decided(n, incoming, offered)
         self._observe(incoming)
         if len(incoming) > self._max_store:
             self._max_store = min(len(incoming), self.capacity // 2)
@@ -267,5 +319,22 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
         rejects, inner = self.rejects, self.inner
         k = min(n, len(rejects))
         k = max(k, n - inner.num_evictable())
+        victims = [rejects.popitem(last=False)[0] for _ in range(k)]
+        return victims + inner.evict(n - k, admitted)
+
+    def _evict_decided(
+        self, n: int, incoming: Sequence[OffloadKey], offered: dict[OffloadKey, bool]
+    ) -> list[OffloadKey]:
+        """``evict`` for a store whose keys ``admit`` judged (observed and decided there)."""
+        admitted = [k for k in incoming if offered[k]]
+        admit = self._admit
+        admit.update(admitted)
+        if len(admit) > self._history_size:
+            admit.clear()  # stores that never completed; forgetting them only delays admission
+        if n == 0:
+            self.inner.evict(0, admitted)
+            return []
+        rejects, inner = self.rejects, self.inner
+        k = max(min(n, len(rejects)), n - inner.num_evictable())
         victims = [rejects.popitem(last=False)[0] for _ in range(k)]
         return victims + inner.evict(n - k, admitted)

@@ -105,6 +105,19 @@ class CachePolicy(ABC):
         """
         return None
 
+    def admit(self, keys: Sequence[OffloadKey], in_flight: int = 0) -> list[bool] | None:
+        """Which of ``keys`` (new to the tier, offered for one store, chain order) to store.
+
+        Asked by the manager before the store is prepared (``OffloadingManager.admit``);
+        the caller then offers only the admitted keys, so a declined key takes no
+        slot. Deciding counts as seeing the offer (a policy updates its sighting
+        history, shadows and duel here exactly as its ``evict`` would have), and
+        the ``evict`` of the store that follows does not count the admitted keys
+        again. ``in_flight``: slots the manager holds for stores not yet
+        completed (the policy does not see them). None (the default): store all.
+        """
+        return None
+
     @abstractmethod
     def __len__(self) -> int:
         """Resident keys (pinned included)."""

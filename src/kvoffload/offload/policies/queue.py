@@ -220,6 +220,15 @@ class QueueAwarePolicy(CachePolicy):
 
     # -- the policy interface ------------------------------------------------------------
 
+    def admit(self, keys: Sequence[OffloadKey], in_flight: int = 0) -> list[bool] | None:
+        """The inner policy's answer, except that a key a queued request needs is always
+        stored (it is held at once, whatever the inner filter thinks of it)."""
+        flags = self.inner.admit(keys, in_flight)
+        wants = self._wants
+        if flags is None or not wants:
+            return flags
+        return [f or k in wants for k, f in zip(keys, flags)]
+
     def insert(self, keys: Sequence[OffloadKey]) -> None:
         self._resident.update(keys)
         self.inner.insert(keys)
