@@ -216,3 +216,22 @@ def test_a_block_lost_between_lookup_and_load_gives_a_failing_job_not_an_excepti
     m.complete_load({key(1)}, r)
     assert m.failed_loads == 1 and m.num_in_flight() == 0
     assert m.cpu.num_evictable_blocks() == m.cpu.num_stored_blocks()
+
+
+def test_a_store_the_tier_declines_is_not_stored() -> None:
+    """kvoffload's admission reaches vLLM: fewer keys_to_store, as its store_threshold."""
+    cpu = CPUOffloadingManager(4, "chain_arms")
+    for i in range(4):  # stored, then read: the tier's LRU holds four kept blocks
+        cpu.prepare_store([key(i)])
+        cpu.complete_store([key(i)])
+        cpu.prepare_load([key(i)])
+        cpu.complete_load([key(i)])
+    m = KVOffloadManager(cpu)
+    out = m.prepare_store([key(0), key(9)], ctx())
+    assert out is not None and out.keys_to_store == []  # key 9: a first sighting
+    assert out.evicted_keys == []
+    m.complete_store({key(0), key(9)}, ctx())
+    assert m.lookup(key(9), ctx()) is MISS
+    assert all(m.lookup(key(i), ctx()) is HIT for i in range(4))
+    store(m, [key(9)])  # the second sighting is admitted
+    assert m.lookup(key(9), ctx()) is HIT
