@@ -98,7 +98,9 @@ def test_policies_differ_at_the_default_pressure() -> None:
     unique = serve_bench.workload_unique_blocks(wl, 16)
     cpu = math.ceil(serve_bench.CPU_PRESSURE * unique)
     gpu = EngineConfig().num_gpu_blocks
-    rates = {p: replay_mooncake(reqs, gpu, cpu, p, 8).hit_rate_cpu for p in policy_names()}
+    rates = {
+        p: replay_mooncake(reqs, gpu, cpu, p, 8, block_size=16).hit_rate_cpu for p in policy_names()
+    }
     assert len({round(r, 6) for r in rates.values()}) > 1, rates
 
 
