@@ -30,7 +30,7 @@ anyway by asserting on every transfer result.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -52,6 +52,7 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 
+from kvoffload.integrations.vllm.store_threshold import StoreThreshold
 from kvoffload.offload import CPULoadStoreSpec, CPUOffloadingManager
 from kvoffload.offload import OffloadingManager as KVOffloadingManager
 from kvoffload.offload.lower_tier import DISK_MEDIUM, REMOTE_MEDIUM, TieredLoadStoreSpec
@@ -232,7 +233,7 @@ class KVOffloadManager(OffloadingManager):
         self.cpu = cpu
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
-        self._offers: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._threshold = StoreThreshold(store_threshold, max_tracker_size)
         self._op_ids = count()
         self._loads: dict[frozenset[OffloadKey], deque[_Op]] = {}
         self._stores: dict[frozenset[OffloadKey], deque[_Op]] = {}
@@ -340,20 +341,14 @@ class KVOffloadManager(OffloadingManager):
     # -- stores ----------------------------------------------------------------
 
     def _eligible(self, keys: list[OffloadKey]) -> list[OffloadKey]:
-        if self.store_threshold < 2:
+        if not self._threshold.active:
             return keys
-        out = []
-        for key in keys:
-            if self.cpu.is_stored(key) or self.cpu.is_storing(key):
-                out.append(key)
-                continue
-            n = self._offers.pop(key, 0) + 1
-            self._offers[key] = n
-            if len(self._offers) > self.max_tracker_size:
-                self._offers.popitem(last=False)
-            if n >= self.store_threshold:
-                out.append(key)
-        return out
+        cpu = self.cpu
+        return [
+            key
+            for key in keys
+            if cpu.is_stored(key) or cpu.is_storing(key) or self._threshold.offered(key)
+        ]
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -464,7 +459,7 @@ class KVOffloadManager(OffloadingManager):
         self._loads.clear()
         self._stores.clear()
         self._failed.clear()
-        self._offers.clear()
+        self._threshold.clear()
 
     def num_in_flight(self) -> int:
         """Loads and stores prepared whose ``complete_*`` has not come yet."""

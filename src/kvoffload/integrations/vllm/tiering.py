@@ -26,7 +26,6 @@ follows is a ``MISS`` and the block is recomputed, never an error.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Collection
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -39,6 +38,8 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+
+from kvoffload.integrations.vllm.store_threshold import StoreThreshold
 
 
 class KVOffloadTieringManager(TieringOffloadingManager):
@@ -59,7 +60,7 @@ class KVOffloadTieringManager(TieringOffloadingManager):
         super().__init__(*args, **kwargs)
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
-        self._offers: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._threshold = StoreThreshold(store_threshold, max_tracker_size)
         #: Seconds spent inside ``lookup`` (the scheduler thread), and how many calls.
         self.lookup_seconds = 0.0
         self.lookup_calls = 0
@@ -95,17 +96,9 @@ class KVOffloadTieringManager(TieringOffloadingManager):
         return started
 
     def _eligible(self, keys: Collection[OffloadKey]) -> list[OffloadKey]:
-        if self.store_threshold < 2:
+        if not self._threshold.active:
             return list(keys)
-        out = []
-        for key in keys:
-            n = self._offers.pop(key, 0) + 1
-            self._offers[key] = n
-            if len(self._offers) > self.max_tracker_size:
-                self._offers.popitem(last=False)
-            if n >= self.store_threshold:
-                out.append(key)
-        return out
+        return [key for key in keys if self._threshold.offered(key)]
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -125,7 +118,7 @@ class KVOffloadTieringManager(TieringOffloadingManager):
         server keeps them for other instances).
         """
         super().reset_cache()
-        self._offers.clear()
+        self._threshold.clear()
         for tier in self.secondary_tiers:
             reset = getattr(tier, "reset_cache", None)
             if reset is None:
