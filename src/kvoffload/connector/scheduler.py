@@ -200,10 +200,6 @@ class OffloadingConnectorScheduler:
         self._deferred.pop(req_id, None)
         return False
 
-    def has_deferred_lookups(self) -> bool:
-        """Whether a request was told to ask again (``get_num_new_matched_tokens`` None)."""
-        return bool(self._deferred)
-
     def wait_for_lookups(self, timeout_s: float) -> bool:
         """Wait at most ``timeout_s`` for the answers deferred requests need.
 
