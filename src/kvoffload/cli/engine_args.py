@@ -102,10 +102,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "caches. On `kvoffload bench offload`, Mooncake trace, 1-25%% tiers: with no hints "
         "at or above vLLM's lru, arc and store_threshold=2 everywhere; a 5 s queue closes "
         "18%% of the gap to Belady at 1-10%%, a 30 s one about half. A loop twice the tier "
-        "keeps 65%% of Belady's hits (vLLM's: none). Without hints it trails on small tiers "
-        "of generated traces: vLLM's arc by 2-3 points at 1-5%% under popular-document "
-        "(RAG) load, store_threshold=2 by 2-3 points at 1%% on mixed and agent traces, and "
-        "LRU by up to 0.4 points on chat)",
+        "keeps 97%% of Belady's hits (vLLM's: none). Without hints it trails on generated "
+        "traces: vLLM's arc by 2-3 points at 1%% under popular-document (RAG) load, "
+        "store_threshold=2 by 0.2 points at 1%% on agent traces, LRU by up to 0.45 points "
+        "on chat)",
     )
     o.add_argument(
         "--disk-dir",
