@@ -156,7 +156,9 @@ class Breaker:
             "stores fail until it is back (next try in %.1fs, backing off to %.1fs)",
             self.shown,
             type(err).__name__,
-            err,
+            # The text, not the exception: a handler that keeps records (pytest's
+            # does) would keep its traceback's frames, and the buffers they hold, alive.
+            str(err),
             self.retry_interval_s,
             self.max_retry_interval_s,
         )
