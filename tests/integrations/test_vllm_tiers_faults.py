@@ -142,7 +142,7 @@ def test_a_corrupt_disk_block_is_a_failed_key_then_a_miss(tmp_path: Path) -> Non
         assert hits == 2 and all(all(c) for c in checks)
         assert rig.lookup(keys[2], rig.new_request()) is LookupResult.MISS
         stats = rig.stats()
-        assert stats[f"kvoffload:tier_checksum_failures:('{tier.label}',)"] == 1
+        assert stats[f"vllm:kvoffload_tier_checksum_failures:('{tier.label}',)"] == 1
         assert stats[f"vllm:kv_offload_tiering_promotion_job_failures:('{tier.label}',)"] == 1
         assert log.on_main_thread() == []
         report(rig, "corrupt disk block")
@@ -167,7 +167,7 @@ def test_a_disk_block_evicted_between_lookup_and_load_is_a_failed_key(tmp_path: 
         assert results[1] is LookupResult.MISS
         assert results[0] is LookupResult.HIT and results[2] is LookupResult.HIT
         rig.finish(ctx)
-        assert rig.stats()[f"kvoffload:tier_blocks_lost:('{tier.label}',)"] == 1
+        assert rig.stats()[f"vllm:kvoffload_tier_blocks_lost:('{tier.label}',)"] == 1
     finally:
         rig.close()
 
@@ -241,7 +241,7 @@ def test_failing_slab_writes_are_misses(tmp_path: Path, monkeypatch: pytest.Monk
         evict_from_cpu(rig, b"filler")
         hits, _ = rig.fetch(keys)
         assert hits == 0
-        assert rig.stats()[f"kvoffload:tier_write_errors:('{tier.label}',)"] == N
+        assert rig.stats()[f"vllm:kvoffload_tier_write_errors:('{tier.label}',)"] == N
     finally:
         rig.close()
 
@@ -329,7 +329,7 @@ def test_a_redis_block_deleted_between_lookup_and_load_is_a_failed_key(
         assert results[0] is LookupResult.HIT and results[2] is LookupResult.HIT
         rig.finish(ctx)
         stats = rig.stats()
-        assert stats[f"kvoffload:tier_blocks_lost:('{tier.label}',)"] == 1
+        assert stats[f"vllm:kvoffload_tier_blocks_lost:('{tier.label}',)"] == 1
         report(rig, "Redis block evicted between lookup and load")
     finally:
         rig.close()
@@ -348,7 +348,7 @@ def test_a_corrupt_redis_value_is_never_served(redis_server: RedisServer) -> Non
         value[-10:] = b"x" * 10
         client.set(rkey, bytes(value))
         assert rig.fetch(keys)[0] == 0
-        assert rig.stats()[f"kvoffload:tier_checksum_failures:('{tier.label}',)"] == 1
+        assert rig.stats()[f"vllm:kvoffload_tier_checksum_failures:('{tier.label}',)"] == 1
     finally:
         rig.close()
 
@@ -375,8 +375,8 @@ def test_a_dead_redis_is_misses_dropped_stores_one_warning_then_recovery(
         assert len(down) == 1
         assert rig.fetch(keys)[0] == 0
         stats = rig.stats()
-        assert stats[f"kvoffload:tier_stores_dropped:('{tier.label}',)"] >= N
-        assert stats[f"kvoffload:tier_available:('{tier.label}',)"] == 0
+        assert stats[f"vllm:kvoffload_tier_stores_dropped:('{tier.label}',)"] >= N
+        assert stats[f"vllm:kvoffload_tier_available:('{tier.label}',)"] == 0
         redis_server.start()  # empty: nothing was persisted
         # Health probes run off-thread while down; stores resume once the breaker closes.
         for _ in range(400):
@@ -504,7 +504,7 @@ def test_a_redis_cluster_seed_list_serves_blocks(redis_cluster: Any) -> None:  #
 def test_kvoffload_metrics_are_declared_to_vllms_spec(tmp_path: Path) -> None:
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-    from kvoffload.integrations.vllm.tiers.base import metric_definitions
+    from kvoffload.integrations.vllm.tiers.metrics import metric_definitions
 
     extra = {
         "cpu_bytes_to_use": 1 << 20,

@@ -3,8 +3,9 @@
 - ``KVOffloadDiskTier`` (``disk``): bounded, checksummed, evicting disk tier;
 - ``KVOffloadRedisTier`` (``redis``): a shared Redis / Valkey (or Redis
   Cluster) tier with non-blocking pipelined presence checks and a breaker;
-- ``base``: what both share (I/O threads, job results, events, metrics,
-  the tier identity).
+- ``base``: what both share (submit / finish, job results, events, stats);
+  ``io_threads``, ``keys`` (an entry's keys), ``identity`` (the tier
+  fingerprint, the tier's label) and ``metrics`` beside it.
 
 Names resolve on first use: the Redis tier needs redis-py, the disk tier does not.
 """

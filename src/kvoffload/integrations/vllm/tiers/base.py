@@ -29,25 +29,17 @@ the CPU tier evicts) cannot be offered inside vLLM's tiering: these tiers
 are write-through. ``write_mode: "write_back"`` is refused at start-up with
 that reason; vLLM's backpressure policies are the way to shed writes.
 
-Identity: ``tier_identity`` is kvoffload's tier fingerprint for a vLLM
-engine (model @ revision, KV dtype, cache layout, group geometry, bytes per
-row, hash function and seed, and the parallel layout: world size and the
-TP / PP / PCP / DCP sizes, or "agnostic" where vLLM certifies the row's bytes
-as the same under any topology). The rank is not part of it: a row holds
-every rank's shard.
+Identity (``identity.tier_identity``), the keys of a tier's entry
+(``keys.split_keys``), its metrics (``metrics``) and the I/O threads
+(``io_threads``) live beside this file.
 """
 
 from __future__ import annotations
 
 import gc
-import hashlib
 import logging
-import threading
 import time
-import urllib.parse
-from collections import deque
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -55,9 +47,7 @@ from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
-    OffloadingCounterMetadata,
     OffloadingEvent,
-    OffloadingGaugeMetadata,
     OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
@@ -70,7 +60,10 @@ from vllm.v1.kv_offload.tiering.base import (
     TransferJob,
 )
 
-from kvoffload.tiers.config import TIER_KEYS, TierConfig, TierConfigError
+from kvoffload.integrations.vllm.tiers.identity import tier_identity, tier_label_of
+from kvoffload.integrations.vllm.tiers.io_threads import IOJob, IOThreads
+from kvoffload.integrations.vllm.tiers.metrics import STORES_DROPPED, metric_definitions
+from kvoffload.tiers.config import TierConfig
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -81,320 +74,6 @@ if TYPE_CHECKING:
 
 # Under "vllm." so that vLLM's logging configuration shows these lines.
 logger = logging.getLogger("vllm.kvoffload.tiers")
-
-#: vLLM's label name for a tier (``tiering.base.TIER_LABEL``, spelled out: 0.32 lacks the name).
-TIER_LABEL = "tier"
-
-#: kvoffload's per-tier metrics, beyond vLLM's generic ``vllm:kv_offload_tiering_*``.
-CHECKSUM_FAILURES = "kvoffload:tier_checksum_failures"
-BLOCKS_LOST = "kvoffload:tier_blocks_lost"
-EVICTIONS = "kvoffload:tier_evictions"
-STORES_DROPPED = "kvoffload:tier_stores_dropped"
-WRITE_ERRORS = "kvoffload:tier_write_errors"
-BYTES_IN_USE = "kvoffload:tier_bytes_in_use"
-CAPACITY_BYTES = "kvoffload:tier_capacity_bytes"
-AVAILABLE = "kvoffload:tier_available"
-
-#: Keys every kvoffload tier takes besides its ``TierConfig`` keys (see each tier's docstring).
-COMMON_KEYS: tuple[str, ...] = ("locality", "enable_kv_events", "model_revision")
-
-
-def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
-    """Prometheus definitions of kvoffload's tier metrics (labelled by vLLM's tier label)."""
-    labels = (TIER_LABEL,)
-
-    def counter(doc: str) -> OffloadingCounterMetadata:
-        return OffloadingCounterMetadata(documentation=doc, labelnames=labels)
-
-    def gauge(doc: str) -> OffloadingGaugeMetadata:
-        return OffloadingGaugeMetadata(documentation=doc, labelnames=labels)
-
-    return {
-        CHECKSUM_FAILURES: counter(
-            "Blocks a kvoffload tier read back whose checksum (or length) was wrong: "
-            "dropped and reported as failed promotion keys, never served."
-        ),
-        BLOCKS_LOST: counter(
-            "Blocks a promotion asked a kvoffload tier for that it no longer held "
-            "(evicted by the server, dropped as corrupt, tier unreachable)."
-        ),
-        EVICTIONS: counter("Blocks a kvoffload tier evicted to stay within its budget."),
-        STORES_DROPPED: counter(
-            "Blocks a kvoffload tier did not store: tier unreachable, no evictable room, "
-            "or the store refused them."
-        ),
-        WRITE_ERRORS: counter("Blocks whose write to a kvoffload tier failed (I/O error)."),
-        BYTES_IN_USE: gauge("Bytes of KV a kvoffload tier holds (stored blocks)."),
-        CAPACITY_BYTES: gauge("A kvoffload tier's budget in bytes (0: the server's memory)."),
-        AVAILABLE: gauge("1 while a kvoffload tier is reachable, 0 during an outage."),
-    }
-
-
-# -- keys and identity -------------------------------------------------------------------
-
-
-def split_keys(
-    tier_type: str,
-    keys: Mapping[str, Any],
-    tier_keys: Sequence[str],
-    own_keys: Sequence[str],
-) -> tuple[TierConfig, dict[str, Any]]:
-    """``keys`` checked once: the ``TierConfig`` they describe and this tier's own keys.
-
-    ``tier_keys``: the ``TierConfig`` keys this tier takes; ``own_keys``: its
-    other keys. Any other key, a ``TierConfig`` key of the other tier, a bad
-    value or write-back is a ``TierConfigError`` (one line naming the key).
-    """
-    where = f"secondary_tiers[{tier_type}]"
-    allowed = [*tier_keys, "write_mode", "write_through", *own_keys]
-    for key in keys:
-        if key not in allowed:
-            other = key in TIER_KEYS
-            why = (
-                "belongs to the other kvoffload tier (give each tier its own entry)"
-                if other
-                else f"unknown key; {tier_type} takes {', '.join(sorted(allowed))}"
-            )
-            raise TierConfigError(f"{where}[{key!r}]: {why}")
-    tier = {k: v for k, v in keys.items() if k in tier_keys or k in ("write_mode", "write_through")}
-    if "enable_kv_events" in keys:
-        if "enable_events" in keys:
-            raise TierConfigError(
-                f"{where}['enable_kv_events']: give it or enable_events, not both"
-            )
-        tier["enable_events"] = keys["enable_kv_events"]
-    config = TierConfig.from_mapping(tier, where=where)
-    if config is None:
-        need = "disk_dir" if "disk_dir" in tier_keys else "redis_url"
-        raise TierConfigError(f"{where}[{need!r}]: missing")
-    if config.write_mode != "write_through" and ("write_mode" in keys or "write_through" in keys):
-        key = "write_mode" if "write_mode" in keys else "write_through"
-        raise TierConfigError(
-            f"{where}[{key!r}]: vLLM's tiering writes every block to every tier as it "
-            "reaches the CPU tier (write-through); write-back needs the CPU tier's "
-            "evictions, which vLLM does not give secondary tiers"
-        )
-    own = {k: v for k, v in keys.items() if k in own_keys}
-    if "locality" in own:
-        value = own["locality"]
-        try:
-            own["locality"] = Locality(str(value).upper())
-        except ValueError:
-            raise TierConfigError(
-                f"{where}['locality']: expected LOCAL or REMOTE, got {value!r}"
-            ) from None
-    if "model_revision" in own:
-        rev = own["model_revision"]
-        if not isinstance(rev, str) or not rev.strip():
-            raise TierConfigError(f"{where}['model_revision']: expected a non-empty string")
-    return config, own
-
-
-def _quote(value: object) -> str:
-    return urllib.parse.quote(str(value), safe="/:@.-_+,")
-
-
-def _engine_facts() -> tuple[str | None, str]:
-    """(model revision, prefix-caching hash algorithm) from vLLM's current config, if any."""
-    try:
-        from vllm.config import get_current_vllm_config_or_none
-
-        cfg = get_current_vllm_config_or_none()
-    except ImportError:  # pragma: no cover - both supported releases have it
-        cfg = None
-    if cfg is None:
-        return None, "sha256"
-    revision = getattr(cfg.model_config, "revision", None) if cfg.model_config else None
-    algo = str(getattr(cfg.cache_config, "prefix_caching_hash_algo", "sha256") or "sha256")
-    return (str(revision) if revision else None), algo
-
-
-def is_parallel_agnostic(spec: OffloadingSpec) -> bool:
-    """Whether vLLM certifies a row's bytes as the same under any parallel layout.
-
-    As vLLM's fs tier decides: the parallel config says the concatenated
-    shards are topology-free (``is_parallelism_agnostic``), or the layout is
-    replicated (one copy of an MLA latent for all ranks).
-    """
-    config = spec.config
-    return bool(config.parallel.is_parallelism_agnostic or config.replicated_layout)
-
-
-def tier_identity(spec: OffloadingSpec, row_bytes: int, model_revision: str | None = None) -> str:
-    """kvoffload's tier fingerprint for a vLLM engine, as one ``k=v;...`` string.
-
-    Fields: ``format``; ``model`` (name @ revision: ``model_revision``, else
-    vLLM's current model config's revision, else "unknown"); ``dtype`` (KV
-    cache dtype); ``kv_layout`` (vLLM's KV cache layout) and ``canonical``
-    (the canonical byte format, or "direct"); ``groups`` (per KV cache group:
-    tokens per block, layer count and a digest of the layer names);
-    ``tokens_per_hash``, ``blocks_per_chunk`` and ``row_bytes`` (bytes per
-    offloaded chunk, every rank's shard and padding); ``hash_fn`` and
-    ``hash_seed`` (vLLM's prefix-caching hash and its ``NONE_HASH`` seed:
-    "random" when vLLM draws it per process); ``parallel`` ("agnostic" when
-    vLLM certifies it, else world size and TP / PP / PCP / DCP sizes, and
-    "replicated" for a single-copy layout). It parses with
-    ``kvoffload.tiers.identity.parse_fingerprint``.
-    """
-    from kvoffload.hashing.block_hash import none_hash_seed_is_random, resolve_none_hash_seed
-
-    config = spec.config
-    revision, algo = _engine_facts()
-    revision = model_revision or revision or "unknown"
-    seed = "random" if none_hash_seed_is_random(algo) else resolve_none_hash_seed(algo)
-    if len(seed) > 32:
-        # A long seed (an operator's PYTHONHASHSEED) is recorded as a digest.
-        seed = "sha256:" + hashlib.sha256(seed.encode()).hexdigest()[:16]
-    groups = ",".join(
-        f"{g.tokens_per_block}x{len(g.layer_names)}:"
-        + hashlib.sha256("\n".join(g.layer_names).encode()).hexdigest()[:8]
-        for g in config.groups
-    )
-    canonical = "direct"
-    if getattr(config, "canonical_layout", False):
-        canonical = f"canonical:{getattr(config, 'kv_cache_layout', None)}"
-    p = config.parallel
-    if is_parallel_agnostic(spec):
-        parallel = "agnostic"
-    else:
-        parallel = (
-            f"world{p.world_size}-tp{p.tp_size}-pp{p.pp_size}-pcp{p.pcp_size}-dcp{p.dcp_size}"
-        )
-    if config.replicated_layout:
-        parallel += "-replicated"
-    values = {
-        "format": "vllm-row-v1",
-        "model": f"{config.model.name}@{revision}",
-        "dtype": config.model.dtype,
-        "kv_layout": getattr(config, "kv_cache_layout", None) or "default",
-        "canonical": canonical,
-        "groups": groups,
-        "tokens_per_hash": config.cache.tokens_per_hash,
-        "blocks_per_chunk": config.cache.blocks_per_chunk,
-        "row_bytes": row_bytes,
-        "hash_fn": algo,
-        "hash_seed": seed,
-        "parallel": parallel,
-    }
-    return ";".join(f"{k}={_quote(v)}" for k, v in values.items())
-
-
-def identity_digest(identity: str) -> str:
-    return hashlib.sha256(identity.encode()).hexdigest()[:16]
-
-
-def tier_label_of(spec: OffloadingSpec, tier_type: str) -> str:
-    """vLLM's label for this tier ("<index + 1>:<type>", as its tiering metrics spell it).
-
-    A tier is not told its index: it is the n-th ``secondary_tiers`` entry of
-    its type, n counting the tiers of that type built for this spec so far
-    (vLLM builds them in order).
-    """
-    configs = getattr(spec, "secondary_tier_configs", None) or []
-    claims: list[str] = spec.__dict__.setdefault("_kvoffload_tier_claims", [])
-    before = claims.count(tier_type)
-    claims.append(tier_type)
-    matches = [
-        i
-        for i, cfg in enumerate(configs)
-        if isinstance(cfg, Mapping) and cfg.get("type") == tier_type
-    ]
-    if before < len(matches):
-        return f"{matches[before] + 1}:{tier_type}"
-    return f"?:{tier_type}"
-
-
-# -- the I/O side --------------------------------------------------------------------------
-
-
-@dataclass
-class IOJob:
-    """One job's bytes to move; built on the scheduler thread, run on an I/O thread.
-
-    ``keys[i]`` goes to / comes from primary chunk ``chunks[i]``; ``slots`` is
-    the tier's own placement (disk slots), when it has one. ``ok`` is filled
-    in by the I/O thread, one flag per key.
-    """
-
-    job_id: JobId
-    is_load: bool
-    keys: list[OffloadKey]
-    chunks: list[int]
-    slots: list[int] | None = None
-    #: Every key of the vLLM job (a load may have dropped some before the I/O).
-    job_keys: list[OffloadKey] = field(default_factory=list)
-    ok: list[bool] = field(default_factory=list)
-    seconds: float = 0.0
-    error: str = ""
-
-
-class _IOThreads:
-    """A few threads running ``IOJob``s, loads first; finished jobs in a queue."""
-
-    def __init__(self, name: str, num_threads: int, run: Any) -> None:
-        self._run = run
-        self._loads: deque[IOJob] = deque()
-        self._stores: deque[IOJob] = deque()
-        self._cond = threading.Condition()
-        self._inflight = 0
-        self._stop = False
-        self.finished: deque[IOJob] = deque()
-        self._threads = [
-            threading.Thread(target=self._loop, name=f"{name}-io{i}", daemon=True)
-            for i in range(num_threads)
-        ]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, job: IOJob) -> None:
-        with self._cond:
-            if self._stop:
-                job.ok = [False] * len(job.keys)
-                job.error = "tier shut down"
-                self.finished.append(job)
-                return
-            self._inflight += 1
-            (self._loads if job.is_load else self._stores).append(job)
-            self._cond.notify()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._stop or self._loads or self._stores)
-                if self._loads:
-                    job = self._loads.popleft()
-                elif self._stores:
-                    job = self._stores.popleft()
-                else:
-                    return
-            start = time.perf_counter()
-            try:
-                job.ok = [bool(x) for x in self._run(job)]
-            except Exception as exc:  # the job fails; the tier keeps serving
-                job.ok = [False] * len(job.keys)
-                job.error = f"{type(exc).__name__}: {exc}"
-            job.seconds = time.perf_counter() - start
-            with self._cond:
-                self.finished.append(job)
-                self._inflight -= 1
-                self._cond.notify_all()
-
-    def wait_idle(self) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self._inflight == 0)
-
-    @property
-    def busy(self) -> bool:
-        return self._inflight > 0
-
-    def stop(self) -> None:
-        """Finish the jobs queued so far, then end the threads."""
-        self.wait_idle()
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        for t in self._threads:
-            t.join()
 
 
 # -- the tier ---------------------------------------------------------------------------
@@ -445,7 +124,7 @@ class KVOffloadTierBase(SecondaryTierManager):
         self._pending: dict[JobId, IOJob] = {}
         self._ready: list[JobResult] = []
         self._counters: dict[str, int] = {}
-        self._io = _IOThreads(
+        self._io = IOThreads(
             f"kvoffload-{type(self).__name__}", tier_config.num_threads, self._run_io
         )
         self._closed = False

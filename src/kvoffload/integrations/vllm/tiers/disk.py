@@ -10,7 +10,7 @@ Keys (checked once at start-up through ``TierConfig``; a bad or unknown key
 is one ``TierConfigError`` line naming it):
 
 - ``disk_dir`` (required): the directory; the tier keeps its slabs in a
-  sub-directory named after the tier identity (``base.tier_identity``), so
+  sub-directory named after the tier identity (``identity.tier_identity``), so
   engines whose KV differs (another model, revision, dtype, hash seed,
   parallel layout) share ``disk_dir`` without ever reading each other's
   blocks;
@@ -52,21 +52,19 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
-from kvoffload.integrations.vllm.tiers.base import (
+from kvoffload.integrations.vllm.tiers.base import KVOffloadTierBase, logger
+from kvoffload.integrations.vllm.tiers.identity import identity_digest
+from kvoffload.integrations.vllm.tiers.io_threads import IOJob
+from kvoffload.integrations.vllm.tiers.keys import COMMON_KEYS, split_keys
+from kvoffload.integrations.vllm.tiers.metrics import (
     AVAILABLE,
     BLOCKS_LOST,
     BYTES_IN_USE,
     CAPACITY_BYTES,
     CHECKSUM_FAILURES,
-    COMMON_KEYS,
     EVICTIONS,
     STORES_DROPPED,
     WRITE_ERRORS,
-    IOJob,
-    KVOffloadTierBase,
-    identity_digest,
-    logger,
-    split_keys,
 )
 from kvoffload.offload.base import OffloadKey as KVOKey
 from kvoffload.tiers.disk.manager import DiskOffloadingManager

@@ -12,7 +12,7 @@ is one ``TierConfigError`` line naming it):
 - ``redis_url`` (required): ``redis://``, ``rediss://``, ``valkey://``,
   ``unix://``, or a Redis Cluster seed list ``redis+cluster://h1:p1,h2:p2``;
 - ``redis_namespace`` ("kvoffload"): prefixes every key; the key prefix also
-  carries a digest of the tier identity (``base.tier_identity``), so engines
+  carries a digest of the tier identity (``identity.tier_identity``), so engines
   whose KV differs share a server without ever reading each other's blocks;
 - ``redis_ttl_s`` (none): expire blocks, refreshed on every hit;
   ``redis_timeout_s`` (0.5): bounds every call (a slower server is an
@@ -61,17 +61,15 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
-from kvoffload.integrations.vllm.tiers.base import (
+from kvoffload.integrations.vllm.tiers.base import KVOffloadTierBase, logger
+from kvoffload.integrations.vllm.tiers.io_threads import IOJob
+from kvoffload.integrations.vllm.tiers.keys import COMMON_KEYS, split_keys
+from kvoffload.integrations.vllm.tiers.metrics import (
     AVAILABLE,
     BLOCKS_LOST,
     CHECKSUM_FAILURES,
-    COMMON_KEYS,
     STORES_DROPPED,
     WRITE_ERRORS,
-    IOJob,
-    KVOffloadTierBase,
-    logger,
-    split_keys,
 )
 from kvoffload.tiers.config import TierConfigError
 from kvoffload.tiers.identity import parse_fingerprint
