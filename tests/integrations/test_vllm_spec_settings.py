@@ -132,9 +132,36 @@ def test_lower_tiers_bring_vllms_tiering_metrics_and_the_tiers_own() -> None:
     names = set(KVOffloadSpec.build_metric_definitions(extra))
     assert "vllm:kv_offload_tiering_chunk_hits" in names
     assert "vllm:kv_offload_tiering_promotion_latency_seconds" in names
-    assert "kvoffload:tier_checksum_failures" in names
+    assert "vllm:kvoffload_tier_checksum_failures" in names
     assert KVOffloadSpec.build_metric_definitions({"cpu_bytes": "1GiB"}) == {}
     assert "tier" in KVOffloadSpec.config_info_keys(extra)
+
+
+def test_a_second_engine_in_one_process_registers_the_tier_metrics_again() -> None:
+    """A new engine's stat logger unregisters the previous engine's collectors (vLLM's
+    own ``unregister_vllm_metrics``), then registers every definition again."""
+    from prometheus_client import Counter, Gauge, Histogram
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingCounterMetadata,
+        OffloadingGaugeMetadata,
+    )
+    from vllm.v1.metrics.prometheus import unregister_vllm_metrics
+
+    from kvoffload.integrations.vllm import KVOffloadSpec
+
+    extra = {"cpu_bytes": "1GiB", "disk_dir": "/d", "disk_bytes": "1GiB"}
+    definitions = KVOffloadSpec.build_metric_definitions(extra)
+    for _engine in range(2):
+        unregister_vllm_metrics()
+        for name, meta in definitions.items():
+            if isinstance(meta, OffloadingCounterMetadata):
+                kind: type = Counter
+            elif isinstance(meta, OffloadingGaugeMetadata):
+                kind = Gauge
+            else:
+                kind = Histogram
+            kind(name, meta.documentation, labelnames=list(meta.labelnames))
+    unregister_vllm_metrics()
 
 
 @pytest.mark.parametrize("value", ["maybe", 2, None])

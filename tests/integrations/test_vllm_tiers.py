@@ -88,7 +88,7 @@ def test_prefix_evicted_from_cpu_is_served_from_disk_on_both_ranks(
             (PREFIX + FILLER) * rig.row_bytes
         )
         assert f"vllm:kv_offload_tiering_read_time:('{label}',)" in stats
-        assert stats[f"kvoffload:tier_bytes_in_use:('{label}',)"] == (
+        assert stats[f"vllm:kvoffload_tier_bytes_in_use:('{label}',)"] == (
             (PREFIX + FILLER) * rig.row_bytes
         )
         stored = [e for e in rig.events if e.medium is Medium.STORAGE and not e.removed]
@@ -118,7 +118,7 @@ def test_disk_budget_holds_and_evictions_are_announced(tmp_path: Path, ranks: Ra
         # The newest blocks are still served, on both ranks.
         hits, checks = rig.fetch(keys[-4:])
         assert hits == 4 and all_equal(checks, 4)
-        assert rig.stats()[f"kvoffload:tier_evictions:('{tier.label}',)"] == 16
+        assert rig.stats()[f"vllm:kvoffload_tier_evictions:('{tier.label}',)"] == 16
     finally:
         rig.close()
 

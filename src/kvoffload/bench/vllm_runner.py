@@ -174,27 +174,10 @@ def _engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _forget_kvoffload_metrics() -> None:
-    """Unregister kvoffload's Prometheus collectors left by the previous engine in this process.
-
-    vLLM unregisters its own ``vllm:*`` collectors when an engine's stat logger
-    starts; kvoffload's tier metrics (``kvoffload:*``) stay registered, and a
-    second engine in the same process would fail on registering them again.
-    """
-    try:
-        from prometheus_client import REGISTRY
-    except ImportError:  # pragma: no cover - vLLM depends on it
-        return
-    for collector in list(REGISTRY._collector_to_names):
-        if str(getattr(collector, "_name", "")).startswith("kvoffload:"):
-            REGISTRY.unregister(collector)
-
-
 def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     """Start one engine, serve its phases, shut it down; the engine's result."""
     from vllm import LLM, SamplingParams
 
-    _forget_kvoffload_metrics()
     t0 = time.perf_counter()
     collector = None
     events = spec.get("kv_events")
