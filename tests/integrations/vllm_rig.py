@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,9 +135,10 @@ def vllm_config(
     )
 
 
-def kv_cache_config(num_blocks: int) -> KVCacheConfig:
+def kv_cache_config(num_blocks: int, num_kv_heads: int = NUM_KV_HEADS) -> KVCacheConfig:
+    """One KV tensor for every layer; ``num_kv_heads``: one rank's share of the heads."""
     spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float16
+        block_size=BLOCK_SIZE, num_kv_heads=num_kv_heads, head_size=HEAD_SIZE, dtype=torch.float16
     )
     names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
     page = spec.page_size_bytes
@@ -151,6 +153,50 @@ def kv_cache_config(num_blocks: int) -> KVCacheConfig:
         kv_cache_tensors=[tensor],
         kv_cache_groups=[KVCacheGroupSpec(names, spec)],
     )
+
+
+def make_request(
+    req_id: str, prompt: list[int], max_tokens: int, hash_fn: Callable[[Any], bytes]
+) -> Request:
+    """A greedy request of ``max_tokens`` tokens, hashed as vLLM's engine hashes it."""
+    return Request(
+        request_id=req_id,
+        prompt_token_ids=list(prompt),
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        pooling_params=None,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, hash_fn),
+    )
+
+
+def newly_computed_blocks(scheduler: Scheduler, output: Any) -> list[tuple[int, bytes]]:
+    """(GPU block id, block hash) of each block that this step's tokens made full."""
+    out = []
+    for req_id, n in output.num_scheduled_tokens.items():
+        request = scheduler.requests.get(req_id)
+        if request is None:
+            continue
+        (block_ids,) = scheduler.kv_cache_manager.get_block_ids(req_id)
+        end = request.num_computed_tokens
+        for idx in range((end - n) // BLOCK_SIZE, end // BLOCK_SIZE):
+            if idx < len(request.block_hashes) and (idx + 1) * BLOCK_SIZE <= end:
+                out.append((block_ids[idx], bytes(request.block_hashes[idx])))
+    return out
+
+
+def load_targets(
+    scheduler: Scheduler, metadata: Any
+) -> dict[int, tuple[str, list[int], list[bytes], bool]]:
+    """Per load job: its request, the GPU blocks it writes, their hashes, and whether it is
+    synchronous (vLLM 0.32 has no synchronous loads)."""
+    out = {}
+    for job_id, job in metadata.load_jobs.items():
+        request = scheduler.requests[job.req_id]
+        dst = job.dst_spec
+        first = int(dst.block_indices[0])
+        ids = [int(b) for b in dst.block_ids]
+        hashes = [bytes(request.block_hashes[first + i]) for i in range(len(ids))]
+        out[job_id] = (job.req_id, ids, hashes, bool(getattr(job, "sync", False)))
+    return out
 
 
 def pattern(block_hash: bytes, plane: int, nbytes: int) -> np.ndarray:
@@ -226,13 +272,7 @@ class VLLMRig:
         if req_id is None:
             req_id = f"r{self._next_id}"
             self._next_id += 1
-        request = Request(
-            request_id=req_id,
-            prompt_token_ids=list(prompt),
-            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-            pooling_params=None,
-            block_hasher=get_request_block_hasher(BLOCK_SIZE, self.hash_fn),
-        )
+        request = make_request(req_id, prompt, max_tokens, self.hash_fn)
         self.scheduler.add_request(request)
         return req_id
 
@@ -268,27 +308,16 @@ class VLLMRig:
         """Write the KV of every block that became fully computed in this step."""
         if self.worker_connector is None:
             return
-        for req_id, n in output.num_scheduled_tokens.items():
-            request = self.scheduler.requests.get(req_id)
-            if request is None:
-                continue
-            (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(req_id)
-            end = request.num_computed_tokens
-            start = end - n
-            for idx in range(start // BLOCK_SIZE, end // BLOCK_SIZE):
-                if idx < len(request.block_hashes) and (idx + 1) * BLOCK_SIZE <= end:
-                    self._write_block(block_ids[idx], request.block_hashes[idx])
+        for block_id, block_hash in newly_computed_blocks(self.scheduler, output):
+            self._write_block(block_id, block_hash)
 
     def _note_loads(self, metadata: Any) -> list[int]:
         sync = []
-        for job_id, job in metadata.load_jobs.items():
-            request = self.scheduler.requests[job.req_id]
-            dst = job.dst_spec
-            first = int(dst.block_indices[0])
-            ids = [int(b) for b in dst.block_ids]
-            hashes = [bytes(request.block_hashes[first + i]) for i in range(len(ids))]
-            self._pending[job_id] = _PendingLoad(job.req_id, ids, hashes)
-            if getattr(job, "sync", False):  # vLLM 0.32 has no sync loads
+        for job_id, (req_id, ids, hashes, is_sync) in load_targets(
+            self.scheduler, metadata
+        ).items():
+            self._pending[job_id] = _PendingLoad(req_id, ids, hashes)
+            if is_sync:
                 sync.append(job_id)
         return sync
 

@@ -39,7 +39,12 @@ from vllm.v1.outputs import ModelRunnerOutput
 from tests.integrations.vllm_rig import (
     BLOCK_SIZE,
     NUM_KV_HEADS,
+    kv_cache_config,
+    load_targets,
+    make_request,
+    newly_computed_blocks,
     pattern,
+    vllm_config,
     write_tiny_llama,
 )
 
@@ -57,8 +62,6 @@ def _tp_config(
     rank: int,
     recompute_failed_loads: bool,
 ) -> Any:
-    from tests.integrations.vllm_rig import vllm_config
-
     config = vllm_config(
         Path(model_dir),
         num_gpu_blocks,
@@ -75,35 +78,7 @@ def _tp_config(
 
 
 def _kv_cache_config(num_blocks: int, tp: int) -> Any:
-    import torch
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
-    )
-
-    from tests.integrations.vllm_rig import HEAD_SIZE, NUM_LAYERS
-
-    spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE,
-        num_kv_heads=NUM_KV_HEADS // tp,
-        head_size=HEAD_SIZE,
-        dtype=torch.float16,
-    )
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
-    page = spec.page_size_bytes
-    tensor = KVCacheTensor(
-        size=num_blocks * NUM_LAYERS * page,
-        layers=names,
-        layer_stride=page,
-        block_stride=NUM_LAYERS * page,
-    )
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[tensor],
-        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
-    )
+    return kv_cache_config(num_blocks, NUM_KV_HEADS // tp)
 
 
 # -- the worker process ---------------------------------------------------------------
@@ -357,48 +332,17 @@ class TPRig:
         return connector.connector_scheduler.manager
 
     def add(self, prompt: list[int], max_tokens: int = 2, req_id: str | None = None) -> str:
-        from vllm import SamplingParams
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-        from vllm.v1.request import Request
-
         if req_id is None:
             req_id = f"r{self._next_id}"
             self._next_id += 1
-        self.scheduler.add_request(
-            Request(
-                request_id=req_id,
-                prompt_token_ids=list(prompt),
-                sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                pooling_params=None,
-                block_hasher=get_request_block_hasher(BLOCK_SIZE, self.hash_fn),
-            )
-        )
+        self.scheduler.add_request(make_request(req_id, prompt, max_tokens, self.hash_fn))
         return req_id
 
-    def _writes(self, output: Any) -> list[tuple[int, bytes]]:
-        out = []
-        for req_id, n in output.num_scheduled_tokens.items():
-            request = self.scheduler.requests.get(req_id)
-            if request is None:
-                continue
-            (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(req_id)
-            end = request.num_computed_tokens
-            start = end - n
-            for idx in range(start // BLOCK_SIZE, end // BLOCK_SIZE):
-                if idx < len(request.block_hashes) and (idx + 1) * BLOCK_SIZE <= end:
-                    out.append((block_ids[idx], bytes(request.block_hashes[idx])))
-        return out
-
     def _loads(self, meta: Any) -> dict[int, tuple[list[int], list[bytes], bool]]:
-        out = {}
-        for job_id, job in meta.load_jobs.items():
-            request = self.scheduler.requests[job.req_id]
-            dst = job.dst_spec
-            first = int(dst.block_indices[0])
-            ids = [int(b) for b in dst.block_ids]
-            hashes = [bytes(request.block_hashes[first + i]) for i in range(len(ids))]
-            out[job_id] = (ids, hashes, bool(getattr(job, "sync", False)))  # 0.32: none
-        return out
+        return {
+            job_id: (ids, hashes, sync)
+            for job_id, (_, ids, hashes, sync) in load_targets(self.scheduler, meta).items()
+        }
 
     def step(self) -> Any:
         output = self.scheduler.schedule()
@@ -406,7 +350,12 @@ class TPRig:
         for new in output.scheduled_new_reqs:
             self.first_computed.setdefault(new.req_id, new.num_computed_tokens)
         meta = output.kv_connector_metadata
-        args = (meta, self._loads(meta), self._writes(output), set(output.finished_req_ids))
+        args = (
+            meta,
+            self._loads(meta),
+            newly_computed_blocks(self.scheduler, output),
+            set(output.finished_req_ids),
+        )
         kv_outputs = self.pool.call("step", args)
         req_ids = list(output.num_scheduled_tokens)
         sampled = []
