@@ -18,7 +18,6 @@ import errno  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import socket  # noqa: E402
-import subprocess  # noqa: E402
 import threading  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -34,6 +33,7 @@ from tests.conftest_redis import (  # noqa: E402, F401  (fixtures)
     redis_cluster,
     redis_cluster_factory,
 )
+from tests.full_disk import fill, tmpfs  # noqa: E402
 from tests.integrations.vllm_tier_rig import (  # noqa: E402
     TierRig,
     disk_tier,
@@ -174,33 +174,8 @@ def test_a_disk_block_evicted_between_lookup_and_load_is_a_failed_key(tmp_path: 
 
 @pytest.fixture
 def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    res = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if res.returncode != 0:
-        pytest.skip(f"mount -t tmpfs is not permitted here: {res.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "mnt", "3m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def fill(path: Path) -> None:
-    fd = os.open(path / "filler", os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError as e:
-        assert e.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
 
 
 def test_a_full_disk_warns_once_and_never_serves_a_bad_block(

@@ -10,7 +10,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import kvoffload.tiers.disk.index as disk_index
 import kvoffload.tiers.disk.store as disk_store
 from kvoffload.tiers.disk.index import RECORD_BYTES
 from kvoffload.tiers.disk.store import INDEX_NAME, DiskBlockStore
+from tests.full_disk import fill, tmpfs
 from tests.tiers.tier_rig import Rig, tkey
 
 BB = 8192
@@ -188,35 +188,8 @@ def test_restart_on_a_full_disk_with_a_torn_index(
 
 @pytest.fixture
 def tiny_fs(tmp_path: Path) -> Iterator[Path]:
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    res = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if res.returncode != 0:
-        pytest.skip(f"mount -t tmpfs is not permitted here: {res.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "mnt", "2m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def fill(path: Path) -> Path:
-    filler = path / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError as e:
-        assert e.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
-    return filler
 
 
 def test_tmpfs_fills_mid_run_then_restart_while_full_then_room_returns(
