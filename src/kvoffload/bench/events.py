@@ -23,6 +23,7 @@ import zmq
 from kvoffload.cli import argtypes
 from kvoffload.events.publisher import END_SEQ, ZmqEventPublisher
 from kvoffload.events.types import (
+    MEDIUM_GPU,
     PROFILE_LEGACY,
     PROFILE_VLLM,
     PROFILES,
@@ -61,10 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _events(n: int, i: int) -> list[Any]:
     parent = b"\x01" * 32
     out: list[Any] = [
-        BlockStored([j.to_bytes(32, "big")], parent, list(range(16)), 16, None, "GPU")
+        BlockStored([j.to_bytes(32, "big")], parent, list(range(16)), 16, None, MEDIUM_GPU)
         for j in range(n - 1)
     ]
-    out.append(BlockRemoved([i.to_bytes(8, "big")], "GPU"))
+    out.append(BlockRemoved([i.to_bytes(8, "big")], MEDIUM_GPU))
     return out
 
 
