@@ -144,7 +144,7 @@ def test_without_hints_it_is_its_inner_policy() -> None:
     trace = trace_keys(generate("mixed", 200, seed=4))
     for cap in (40, 400):
         a = replay(trace, "queue_arms", cap)
-        b = replay(trace, "chain_arms", cap)
+        b = replay(trace, "policy_duel", cap)
         assert a.hit_blocks == b.hit_blocks
 
 

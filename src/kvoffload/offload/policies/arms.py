@@ -39,7 +39,7 @@ MODE_NAMES = ("all", "second", "bip")
 class _Shadow:
     """Keys only: an LRU of ``capacity`` in front of which one admission mode runs."""
 
-    __slots__ = ("bip_period", "capacity", "history", "main", "mode", "rejects", "seen")
+    __slots__ = ("bip_period", "broken", "capacity", "history", "main", "mode", "rejects", "seen")
 
     def __init__(self, capacity: int, mode: int, history: int, bip_period: int) -> None:
         self.capacity = capacity
@@ -49,25 +49,36 @@ class _Shadow:
         self.seen: OrderedDict[OffloadKey, None] = OrderedDict()
         self.history = history
         self.bip_period = bip_period
+        self.broken = False  # ``run_lead``: this request's reads already missed
 
     def run(self, keys: Sequence[OffloadKey], bip_admit: bool) -> int:
         """Read ``keys`` in turn; how many hit. A miss stores the key under this mode
         (BIP: if ``bip_admit`` or its main part is not full yet, as the real cache)."""
+        return self.run_lead(keys, bip_admit, False)
+
+    def run_lead(self, keys: Sequence[OffloadKey], bip_admit: bool, lead: bool) -> int:
+        """``run``; with ``lead``, hits count only until the first miss, which sets
+        ``broken`` (the caller clears it when a request starts): a lookup counts only
+        a chain's leading stored blocks, and a shadow should score as the tier does."""
         if self.mode == ALL:
-            return self._run_all(keys)
+            return self._run_all(keys, lead)
         main, rejects, cap, mode = self.main, self.rejects, self.capacity, self.mode
         seen, history = self.seen, self.history
         hits = 0
+        broken = lead and self.broken
         for key in keys:
             if key in main:
                 main.move_to_end(key)
-                hits += 1
+                if not broken:
+                    hits += 1
                 continue
             if key in rejects:
                 del rejects[key]
                 main[key] = None
-                hits += 1
+                if not broken:
+                    hits += 1
                 continue
+            broken = lead
             if mode == SECOND:
                 if key in seen:
                     main[key] = None
@@ -82,20 +93,25 @@ class _Shadow:
                 rejects[key] = None
             if len(main) + len(rejects) > cap:
                 (rejects or main).popitem(last=False)
+        self.broken = broken
         return hits
 
-    def _run_all(self, keys: Sequence[OffloadKey]) -> int:
-        """``run`` for plain LRU (no rejects ever): the most read shadow, kept lean."""
+    def _run_all(self, keys: Sequence[OffloadKey], lead: bool = False) -> int:
+        """``run_lead`` for plain LRU (no rejects ever): the most read shadow, kept lean."""
         main, cap = self.main, self.capacity
         hits = 0
+        broken = lead and self.broken
         for key in keys:
             if key in main:
                 main.move_to_end(key)
-                hits += 1
+                if not broken:
+                    hits += 1
             else:
+                broken = lead
                 main[key] = None
                 if len(main) > cap:
                     main.popitem(last=False)
+        self.broken = broken
         return hits
 
 

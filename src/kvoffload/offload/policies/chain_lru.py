@@ -147,6 +147,10 @@ class ChainLRUPolicy(CachePolicy):
         if node.older is not None:
             self._unlink(node)
 
+    def pinned_keys(self) -> list[OffloadKey]:
+        """Resident keys that are pinned (O(n): for switching policies, not the hot path)."""
+        return [k for k, node in self._nodes.items() if node.older is None]
+
     def lru_order(self) -> list[OffloadKey]:
         """Unpinned keys, next victim first (for tests and debugging; O(n))."""
         out: list[OffloadKey] = []

@@ -44,8 +44,8 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from kvoffload.offload.base import OffloadKey
-from kvoffload.offload.policies.arms import ArmsChainLRUPolicy
 from kvoffload.offload.policies.base import CachePolicy
+from kvoffload.offload.policies.policy_duel import PolicyDuel
 
 
 class QueueAwarePolicy(CachePolicy):
@@ -326,7 +326,7 @@ class QueueAwarePolicy(CachePolicy):
 
 
 class QueueArmsPolicy(QueueAwarePolicy):
-    """Queue and session hints around ``chain_arms``."""
+    """Queue and session hints around ``policy_duel`` (chain-aware LRU's admission arms or ARC)."""
 
     name = "queue_arms"
-    inner_cls = ArmsChainLRUPolicy
+    inner_cls = PolicyDuel

@@ -9,6 +9,7 @@ from kvoffload.offload.policies.base import CachePolicy
 from kvoffload.offload.policies.chain_lru import ChainLRUPolicy
 from kvoffload.offload.policies.duel import DuelChainLRUPolicy
 from kvoffload.offload.policies.lru import FlatLRUPolicy, LRUPolicy
+from kvoffload.offload.policies.policy_duel import PolicyDuel
 from kvoffload.offload.policies.queue import QueueArmsPolicy
 from kvoffload.offload.policies.s3fifo import S3FIFOPolicy
 from kvoffload.offload.policies.sieve import SievePolicy
@@ -36,6 +37,7 @@ for _cls in (
     AdmitLRUPolicy,
     DuelChainLRUPolicy,
     ArmsChainLRUPolicy,
+    PolicyDuel,
     QueueArmsPolicy,
 ):
     register_policy(_cls)
