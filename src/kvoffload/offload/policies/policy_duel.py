@@ -9,7 +9,7 @@ from a scan of new keys, and its ghost lists adapt the split): kvoffload's
 ``arc`` leads ``chain_arms`` there by up to 5 points at 1%. Where nearly
 every block is read once more soon (agents, a chat's next turn at a larger
 tier), LRU leads. So a fourth shadow replays the same sample under ARC
-(``shadow_arc``), and the real cache follows the best of the four arms:
+(``shadow_tier``), and the real cache follows the best of the four arms:
 
 - the three LRU arms share one structure (``chain_arms``'s), switching
   between them is a mode flag;
@@ -44,6 +44,29 @@ from kvoffload.offload.policies.shadow_tier import ARC, BIP, SECOND, ShadowTier
 ARM_NAMES = ("all", "second", "bip", "arc")
 
 
+def fit_room(flags: list[bool] | None, n: int, room: int, cap: int) -> list[bool] | None:
+    """``flags`` (None: all of ``n`` keys) with admitted keys beyond the first ``room``
+    declined: a store larger than the room the tier can make is refused whole, while
+    its head part, which continues the stored prefix, is worth storing (a lookup reads
+    a chain head first)."""
+    if flags is None:
+        if n <= room:
+            return None
+        flags = [True] * n
+    elif sum(flags) <= room:
+        return flags
+    out = []
+    # At most half the tier for an oversized store: replacing the whole tier by each
+    # large request in turn is a loop's thrash (a round robin of prompts larger than
+    # the tier then serves nothing).
+    left = max(0, min(room, cap // 2))
+    for f in flags:
+        take = f and left > 0
+        out.append(take)
+        left -= take
+    return out
+
+
 class ArmsDuel(ArmsChainLRUPolicy):
     """``chain_arms`` whose duel also scores an ARC shadow; ``choice`` is the winning arm.
 
@@ -54,7 +77,7 @@ class ArmsDuel(ArmsChainLRUPolicy):
 
     name = "arms_duel"
     min_shadow: ClassVar[int] = 48  # smaller shadows than chain_arms's: four of them run
-    arc_margin: ClassVar[float] = 0.02  # ARC's shadow must lead the best LRU arm by this share
+    arc_margin: ClassVar[float] = 0.01  # ARC's shadow must lead the best LRU arm by this share
     all_margin: ClassVar[float] = 0.0  # what ALL must lead by (``switch_margin`` for the others)
 
     def __init__(self, capacity: int) -> None:
@@ -268,14 +291,22 @@ class PolicyDuel(CachePolicy):
 
     # -- the policy interface ------------------------------------------------------------
 
+    def room(self, in_flight: int = 0) -> int:
+        """Slots a store could get now: free ones and evictable keys (O(1))."""
+        return self.capacity - len(self) - in_flight + self.num_evictable()
+
     def admit(self, keys: Sequence[OffloadKey], in_flight: int = 0) -> list[bool] | None:
         self._clock += len(keys)
         if not self.on_arc:
-            return self.lru.admit(keys, in_flight)
-        self.lru.observe_offer(keys)
-        self.lru.note_offer(keys)
-        self._decided = set(keys)
-        return None  # ARC stores every key (T1 is its filter)
+            flags = self.lru.admit(keys, in_flight)
+            if self.lru.mode == BIP:
+                return flags  # BIP keeps what it holds: an oversized store stays refused
+        else:
+            self.lru.observe_offer(keys)
+            self.lru.note_offer(keys)
+            self._decided = set(keys)
+            flags = None  # ARC stores every key (T1 is its filter)
+        return fit_room(flags, len(keys), self.room(in_flight), self.capacity)
 
     def insert(self, keys: Sequence[OffloadKey]) -> None:
         (self.arc if self.on_arc else self.lru).insert(keys)

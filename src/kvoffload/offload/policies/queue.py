@@ -45,7 +45,7 @@ from typing import ClassVar
 
 from kvoffload.offload.base import OffloadKey
 from kvoffload.offload.policies.base import CachePolicy
-from kvoffload.offload.policies.policy_duel import PolicyDuel
+from kvoffload.offload.policies.policy_duel import PolicyDuel, fit_room
 
 
 class QueueAwarePolicy(CachePolicy):
@@ -227,7 +227,10 @@ class QueueAwarePolicy(CachePolicy):
         wants = self._wants
         if flags is None or not wants:
             return flags
-        return [f or k in wants for k, f in zip(keys, flags)]
+        flags = [f or k in wants for k, f in zip(keys, flags)]
+        # Keys forced in for the queue may not fit: the store would be refused whole.
+        room = self.capacity - len(self) - in_flight + self.num_evictable()
+        return fit_room(flags, len(keys), room, self.capacity)
 
     def insert(self, keys: Sequence[OffloadKey]) -> None:
         self._resident.update(keys)
