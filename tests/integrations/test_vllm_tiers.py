@@ -123,6 +123,35 @@ def test_disk_budget_holds_and_evictions_are_announced(tmp_path: Path, ranks: Ra
         rig.close()
 
 
+def test_data_parallel_replicas_share_a_disk_dir_and_split_its_budget(tmp_path: Path) -> None:
+    """Each replica's scheduler owns half of ``disk_bytes`` in a store of its own; both
+    start on one ``disk_dir`` (one store is one process's) and each serves its blocks."""
+    rigs = [TierRig([disk_tier(tmp_path / "kv", "2MiB")], data_parallel=(i, 2)) for i in range(2)]
+    try:
+        tiers = [rig.tiers[0] for rig in rigs]
+        assert [t.capacity_blocks for t in tiers] == [(1 << 20) // rigs[0].row_bytes] * 2
+        assert len({t.directory for t in tiers}) == 2
+        for i, rig in enumerate(rigs):
+            prefix = keys_of(PREFIX, tag=b"replica%d" % i)
+            rig.store_many(prefix)
+            evict_from_cpu(rig, n=9)  # past the 8-row CPU tier, within the 16-row disk share
+            hits, _ = rig.fetch(prefix)
+            assert hits == PREFIX
+        slabs = sum(p.stat().st_size for p in (tmp_path / "kv").rglob("slab-*.bin"))
+        assert slabs <= 2 << 20
+    finally:
+        for rig in rigs:
+            rig.close()
+
+
+def test_a_budget_too_small_for_each_replica_is_one_line(tmp_path: Path) -> None:
+    from kvoffload.tiers.config import TierConfigError
+
+    with pytest.raises(TierConfigError, match="data-parallel replicas") as info:
+        TierRig([disk_tier(tmp_path / "kv", "96KiB")], data_parallel=(0, 4))
+    assert "\n" not in str(info.value)
+
+
 def test_prefix_is_served_from_redis_on_both_ranks(redis_server: RedisServer, ranks: Ranks) -> None:
     rig = TierRig([redis_tier(redis_server.url)], ranks=ranks)
     try:

@@ -72,7 +72,9 @@ def offloading_config(
     agnostic: bool = False,
     model: str = "tiny/llama",
     engine_id: str | None = None,
+    data_parallel: tuple[int, int] = (0, 1),
 ) -> OffloadingConfig:
+    """``data_parallel``: (this replica's index, number of replicas)."""
     row = worker_block_bytes * world_size
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"), group_id=0),),
@@ -89,8 +91,8 @@ def offloading_config(
             pp_size=1,
             pcp_size=1,
             dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
+            data_parallel_index=data_parallel[0],
+            data_parallel_size=data_parallel[1],
             data_parallel_rank_local=None,
             is_parallelism_agnostic=agnostic,
         ),

@@ -16,7 +16,9 @@ is one ``TierConfigError`` line naming it):
   blocks;
 - ``disk_bytes`` (e.g. "1TiB") or ``disk_blocks``: the budget. The slabs are
   preallocated to it and the tier never grows past it: a store that needs
-  room evicts the least recently used blocks (announced as removed);
+  room evicts the least recently used blocks (announced as removed). With
+  data parallelism each replica (its own scheduler) owns an equal share of
+  the budget in a store of its own under the identity's directory;
 - ``num_threads`` (8): the tier's I/O threads (jobs in flight); ``direct_io`` (unset: where
   the filesystem allows it); ``durable`` (false): fsync before each index
   record;
@@ -67,6 +69,7 @@ from kvoffload.integrations.vllm.tiers.metrics import (
     WRITE_ERRORS,
 )
 from kvoffload.offload.base import OffloadKey as KVOKey
+from kvoffload.tiers.config import TierConfigError
 from kvoffload.tiers.disk.manager import DiskOffloadingManager
 from kvoffload.tiers.disk.slabs import ALIGN, round_up
 from kvoffload.tiers.disk.store import DiskBlockStore
@@ -90,10 +93,17 @@ DISK_OWN_KEYS: tuple[str, ...] = (*COMMON_KEYS, "durable")
 DEFAULT_THREADS = 8
 
 
-def namespace_dir(disk_dir: str, model_name: str, identity: str) -> str:
-    """Where one identity's blocks live under ``disk_dir``: ``kvoffload-<model>-<digest>``."""
+def namespace_dir(
+    disk_dir: str, model_name: str, identity: str, replica: int = 0, replicas: int = 1
+) -> str:
+    """Where one identity's blocks live under ``disk_dir``: ``kvoffload-<model>-<digest>``,
+    and in it ``dp<replica>-of-<replicas>`` for each of several data-parallel replicas
+    (each replica's scheduler owns its store; one process at a time opens a store)."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)[-48:]
-    return os.path.join(disk_dir, f"kvoffload-{safe}-{identity_digest(identity)}")
+    path = os.path.join(disk_dir, f"kvoffload-{safe}-{identity_digest(identity)}")
+    if replicas > 1:
+        path = os.path.join(path, f"dp{replica}-of-{replicas}")
+    return path
 
 
 class KVOffloadDiskTier(KVOffloadTierBase):
@@ -114,8 +124,6 @@ class KVOffloadDiskTier(KVOffloadTierBase):
             config = config.replace(num_threads=DEFAULT_THREADS)
         durable = own.get("durable", False)
         if not isinstance(durable, bool):
-            from kvoffload.tiers.config import TierConfigError
-
             raise TierConfigError(
                 f"secondary_tiers[{tier_type}]['durable']: expected true or false, got {durable!r}"
             )
@@ -124,9 +132,24 @@ class KVOffloadDiskTier(KVOffloadTierBase):
         )
         assert config.disk_dir is not None
         self.slot_bytes = round_up(self.row_bytes, ALIGN)
-        self.capacity_blocks = config.disk_slots(self.slot_bytes)
+        parallel = offloading_spec.config.parallel
+        replicas = max(1, int(parallel.data_parallel_size))
+        # Data-parallel replicas each run a scheduler, so each owns a share of the budget
+        # (disk_bytes bounds the directory, not each replica) in a store of its own.
+        self.capacity_blocks = config.disk_slots(self.slot_bytes) // replicas
+        if self.capacity_blocks < 1:
+            super().shutdown()
+            raise TierConfigError(
+                f"secondary_tiers[{tier_type}]['disk_bytes']: the budget split over "
+                f"{replicas} data-parallel replicas is smaller than one block "
+                f"({self.slot_bytes} bytes) each"
+            )
         self.directory = namespace_dir(
-            config.disk_dir, offloading_spec.config.model.name, self.identity
+            config.disk_dir,
+            offloading_spec.config.model.name,
+            self.identity,
+            int(parallel.data_parallel_index),
+            replicas,
         )
         hash_fn = parse_fingerprint(self.identity).get("hash_fn", "")
         try:
