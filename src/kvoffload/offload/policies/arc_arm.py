@@ -22,6 +22,7 @@ in neither ordered list, so eviction never skips anything.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -129,25 +130,45 @@ class ArcArm(CachePolicy):
                 in_b2.append(False)
         self.p = p
         t1, t2, where = self.t1, self.t2, self.where
-        n1 = self.n1
+        n1, n2 = self.n1, self.n2
         off = len(in_b2) - n
         victims: list[OffloadKey] = []
-        for i in range(n):
-            # ARC's REPLACE for incoming[off + i]: T1 while it is over its target (or on a
-            # tie when the newcomer is a B2 ghost), T2 otherwise; an empty list defers.
-            j = off + i
-            from_t1 = bool(t1) and (not t2 or n1 > p or (n1 == p and j >= 0 and in_b2[j]))
-            if from_t1:
-                key = t1.popitem(last=False)[0]
-                n1 -= 1
-                b1[key] = None
+        pop1, pop2 = t1.popitem, t2.popitem
+        i = 0
+        while i < n:
+            # ARC's REPLACE for incoming[off + i], a run of victims at a time: T1 while it
+            # is over its target (the run stops where it would reach it), T2 while T1 is
+            # under it (T1's size does not change meanwhile); on a tie the newcomer's
+            # B2 flag decides one victim. An empty list defers to the other.
+            if t1 and (not t2 or n1 > p):
+                k = min(n - i, len(t1))
+                if t2:
+                    k = min(k, math.ceil(n1 - p))
+                run = [pop1(last=False)[0] for _ in range(k)]
+                n1 -= k
+                ghost = b1
+            elif t2 and (not t1 or n1 < p):
+                k = min(n - i, len(t2))
+                run = [pop2(last=False)[0] for _ in range(k)]
+                n2 -= k
+                ghost = b2
             else:
-                key = t2.popitem(last=False)[0]
-                self.n2 -= 1
-                b2[key] = None
-            del where[key]
-            victims.append(key)
-        self.n1 = n1
+                j = off + i
+                k = 1
+                if j >= 0 and in_b2[j]:
+                    run = [pop1(last=False)[0]]
+                    n1 -= 1
+                    ghost = b1
+                else:
+                    run = [pop2(last=False)[0]]
+                    n2 -= 1
+                    ghost = b2
+            for key in run:
+                ghost[key] = None
+                del where[key]
+            victims += run
+            i += k
+        self.n1, self.n2 = n1, n2
         self._trim_ghosts()
         return victims
 

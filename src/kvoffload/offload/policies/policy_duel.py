@@ -76,7 +76,7 @@ class ArmsDuel(ArmsChainLRUPolicy):
     """
 
     name = "arms_duel"
-    min_shadow: ClassVar[int] = 48  # smaller shadows than chain_arms's: four of them run
+    min_shadow: ClassVar[int] = 32  # smaller shadows than chain_arms's: four of them run
     arc_margin: ClassVar[float] = 0.01  # ARC's shadow must lead the best LRU arm by this share
     all_margin: ClassVar[float] = 0.0  # what ALL must lead by (``switch_margin`` for the others)
 
