@@ -1,8 +1,9 @@
 """Cache policies of a tier, by name.
 
 ``lru``, ``lru_flat``, ``chain_lru``, ``arc``, ``s3fifo``, ``sieve``, ``arc_admit``,
-``lru_admit``, ``chain_duel``, ``chain_arms`` and ``queue_arms`` (queue hints around
-``chain_arms``); see ``registry``.
+``lru_admit``, ``chain_duel``, ``chain_arms``, ``policy_duel`` (chain LRU's admission
+arms or ARC, whichever a duel of shadow tiers favours) and ``queue_arms`` (queue hints
+around ``policy_duel``: the default); see ``registry``.
 """
 
 from kvoffload.offload.policies.admission import AdmitARCPolicy, AdmitLRUPolicy
@@ -12,6 +13,7 @@ from kvoffload.offload.policies.base import CachePolicy
 from kvoffload.offload.policies.chain_lru import ChainLRUPolicy
 from kvoffload.offload.policies.duel import DuelChainLRUPolicy
 from kvoffload.offload.policies.lru import FlatLRUPolicy, LRUPolicy
+from kvoffload.offload.policies.policy_duel import PolicyDuel
 from kvoffload.offload.policies.queue import QueueArmsPolicy, QueueAwarePolicy
 from kvoffload.offload.policies.registry import (
     POLICIES,
@@ -33,6 +35,7 @@ __all__ = [
     "DuelChainLRUPolicy",
     "FlatLRUPolicy",
     "LRUPolicy",
+    "PolicyDuel",
     "QueueArmsPolicy",
     "QueueAwarePolicy",
     "S3FIFOPolicy",

@@ -8,8 +8,11 @@ the frequent ones better than any admission filter can (its T2 is protected
 from a scan of new keys, and its ghost lists adapt the split): kvoffload's
 ``arc`` leads ``chain_arms`` there by up to 5 points at 1%. Where nearly
 every block is read once more soon (agents, a chat's next turn at a larger
-tier), LRU leads. So a fourth shadow replays the same sample under ARC
-(``shadow_tier``), and the real cache follows the best of the four arms:
+tier), LRU leads. So a fourth shadow replays the same sample under ARC,
+all four as small tiers that take each call as the real one does
+(``shadow_tier``: prefix hits, room made per store; a key-by-key shadow
+misjudged ARC by 14 points on an agent trace), and the real cache follows
+the best of the four arms:
 
 - the three LRU arms share one structure (``chain_arms``'s), switching
   between them is a mode flag;
@@ -21,7 +24,15 @@ tier), LRU leads. So a fourth shadow replays the same sample under ARC
   keys have been offered or read since the last one (so its cost is O(1)
   amortised per key) and when ARC's shadow leads by ``arc_margin``
   (relative, in decayed shadow hits), so noise does not move the keys back
-  and forth.
+  and forth;
+- it starts admitting all (plain chain LRU), and moves to a filter only on a
+  lead of ``switch_margin`` shadow hits, back to ALL on any lead: keys ALL
+  let in on first sight and never read again are demoted to rejects when a
+  filter takes over (else the filter, which evicts its rejects first, would
+  keep them for good);
+- ``admit`` declines the tail of a store larger than the room the tier can
+  make (at most half the tier), except under BIP: the manager would refuse
+  the store whole, and its head continues the stored prefix.
 
 The shadows keep seeing every call whichever structure is live, so the
 duel keeps scoring all arms. Everything is decided by key bytes and call
