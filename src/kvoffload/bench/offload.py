@@ -127,13 +127,15 @@ def replay(
         rest = keys[hit:]
         if not rest:
             continue
+        # The offered keys count once, admitted or not, as vLLM's rows count the keys
+        # they hand to prepare_store: declining keys ahead must not shrink the count.
+        ops += len(rest)
         flags = admit(rest)
         if flags is not None:
             rest = [k for k, f in zip(rest, flags) if f]
             if not rest:
                 continue
         out = prepare_store(rest)
-        ops += len(rest)
         if out is None:
             refused += len(rest)
             continue
