@@ -15,6 +15,7 @@ all stored blocks.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 from kvoffload.offload.base import (
@@ -24,11 +25,30 @@ from kvoffload.offload.base import (
     OffloadKey,
     PrepareStoreOutput,
     finish_stores,
-    reassign_slots,
     release_pins,
 )
 from kvoffload.offload.policies.base import CachePolicy
 from kvoffload.offload.policies.registry import make_policy
+
+_drain = deque(maxlen=0).extend  # runs a map for its effects at C speed
+
+
+def _reassign_slots(
+    slot_of: dict[OffloadKey, int],
+    free: list[int],
+    victims: list[OffloadKey],
+    new: list[OffloadKey],
+) -> tuple[list[int], list[int]]:
+    """``base.reassign_slots`` (same slots, same order) without a Python loop per key."""
+    victim_slots = list(map(slot_of.pop, victims))
+    free.extend(victim_slots)
+    cut = len(free) - len(new)
+    slots = free[cut:]
+    slots.reverse()  # free.pop() order: from the end
+    del free[cut:]
+    slot_of.update(zip(new, slots))
+    return slots, victim_slots
+
 
 #: Queue hints (blocks waiting requests need are kept, farthest need evicted first) around
 #: chain-aware LRU with an admission duel (all / second sighting / BIP against loops).
@@ -121,23 +141,36 @@ class CPUOffloadingManager(OffloadingManager):
 
     def prepare_load(self, keys: Sequence[OffloadKey]) -> CPULoadStoreSpec:
         keys = list(keys)
-        for key in keys:
-            if not self.is_stored(key):
-                raise ValueError(f"cannot load key {key.hex()}: not stored (or still storing)")
-        refs = self._refs
-        newly_pinned: list[OffloadKey] = []
-        for key in keys:
-            r = refs.get(key, 0)
-            if r == 0:
-                newly_pinned.append(key)
-            refs[key] = r + 1
+        slot_of, storing, refs = self._slot_of, self._storing, self._refs
+        if not (storing.isdisjoint(keys) and all(map(slot_of.__contains__, keys))):
+            bad = next(k for k in keys if k not in slot_of or k in storing)
+            raise ValueError(f"cannot load key {bad.hex()}: not stored (or still storing)")
+        once = dict.fromkeys(keys, 1)
+        if len(once) == len(keys) and refs.keys().isdisjoint(once):
+            # The usual load: distinct keys, none pinned yet (no per-key loop).
+            refs.update(once)
+            newly_pinned = keys
+        else:
+            newly_pinned = []
+            for key in keys:
+                r = refs.get(key, 0)
+                if r == 0:
+                    newly_pinned.append(key)
+                refs[key] = r + 1
         if newly_pinned:
             self.policy.pin(newly_pinned)
         self.policy.access(keys)
-        return CPULoadStoreSpec([self._slot_of[k] for k in keys])
+        return CPULoadStoreSpec(list(map(slot_of.__getitem__, keys)))
 
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:
-        unpinned = release_pins(self._refs, list(keys))
+        keys = list(keys)
+        refs = self._refs
+        if list(map(refs.get, keys)).count(1) == len(keys) == len(set(keys)):
+            # Distinct keys pinned once each (the usual load): all unpinned.
+            _drain(map(refs.pop, keys))
+            unpinned = keys
+        else:
+            unpinned = release_pins(refs, keys)
         if unpinned:
             self.policy.unpin(unpinned)
 
@@ -152,7 +185,9 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
         slot_of = self._slot_of
         unique = list(dict.fromkeys(keys))
-        new = [k for k in unique if k not in slot_of]
+        new = (
+            unique if slot_of.keys().isdisjoint(unique) else [k for k in unique if k not in slot_of]
+        )
         if self._hints and len(new) < len(unique):
             self._hint_continuations(unique)
         if not new:
@@ -175,7 +210,7 @@ class CPUOffloadingManager(OffloadingManager):
                 policy.unpin(protect)
         else:
             policy.evict(0, new)
-        slots, victim_slots = reassign_slots(slot_of, self._free, victims, new)
+        slots, victim_slots = _reassign_slots(slot_of, self._free, victims, new)
         if victims and self.enable_events:
             self._events.append(OffloadingEvent(victims, self.medium, removed=True))
         self._storing.update(new)
@@ -185,6 +220,8 @@ class CPUOffloadingManager(OffloadingManager):
 
     def admit(self, keys: Sequence[OffloadKey]) -> list[bool] | None:
         """The policy's admission (``CachePolicy.admit``) for the keys not held yet."""
+        if type(self.policy).admit is CachePolicy.admit:
+            return None  # the policy stores every key: skip the scan for new keys
         slot_of = self._slot_of
         new = [k for k in dict.fromkeys(keys) if k not in slot_of]
         if not new:
@@ -207,7 +244,13 @@ class CPUOffloadingManager(OffloadingManager):
             prev = key if key in slot_of and key not in storing else None
 
     def complete_store(self, keys: Sequence[OffloadKey], success: bool = True) -> None:
-        keys = finish_stores(self._storing, keys)
+        storing = self._storing
+        done = list(dict.fromkeys(keys))
+        if storing.issuperset(done):
+            storing.difference_update(done)
+            keys = done
+        else:
+            keys = finish_stores(storing, keys)
         if not keys:
             return
         if success:
