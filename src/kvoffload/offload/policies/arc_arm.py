@@ -169,7 +169,8 @@ class ArcArm(CachePolicy):
             victims += run
             i += k
         self.n1, self.n2 = n1, n2
-        self._trim_ghosts()
+        # No ghost trim: a victim moves from T1 to B1 or T2 to B2, which keeps both
+        # bounds (|T1| + |B1| and the total) as they were.
         return victims
 
     def discard(self, key: OffloadKey) -> None:
