@@ -266,6 +266,7 @@ class PolicyDuel(CachePolicy):
     """The live one of two structures (``ArmsDuel``'s LRU, ``ArcArm``), chosen by a 4-arm duel."""
 
     name = "policy_duel"
+    dwell: ClassVar[int] = 1  # capacities of keys between two switches of structure
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
@@ -363,7 +364,7 @@ class PolicyDuel(CachePolicy):
         Called at the end of a store's ``evict``: ``pending`` (that store's keys)
         arrive in the structure live after it."""
         want_arc = self.lru.choice == ARC
-        if want_arc == self.on_arc or self._clock - self._last_switch < self.capacity:
+        if want_arc == self.on_arc or self._clock - self._last_switch < self.dwell * self.capacity:
             return
         self._last_switch = self._clock
         if want_arc:
