@@ -89,15 +89,19 @@ class ARCPolicy(CachePolicy):
     def access(self, keys: Sequence[OffloadKey]) -> None:
         t1, t2, pinned = self.t1, self.t2, self._pinned
         moved = 0
+        get = pinned.get
+        # Pinned first: a load accesses the keys it has just pinned.
         for key in self.chain_order(keys):
-            if key in t1:
-                del t1[key]
-                t2[key] = None
-                moved += 1
+            where = get(key)
+            if where is not None:
+                if where == T1:
+                    pinned[key] = T2
+                    moved += 1
             elif key in t2:
                 t2.move_to_end(key)
-            elif pinned[key] == T1:
-                pinned[key] = T2
+            else:
+                del t1[key]
+                t2[key] = None
                 moved += 1
         self.n1 -= moved
         self.n2 += moved
@@ -105,12 +109,12 @@ class ARCPolicy(CachePolicy):
     def pin(self, keys: Sequence[OffloadKey]) -> None:
         t1, t2, pinned = self.t1, self.t2, self._pinned
         for key in keys:
-            if key in t1:
-                del t1[key]
-                pinned[key] = T1
-            else:
+            if key in t2:  # loads mostly pin keys used before: T2's
                 del t2[key]
                 pinned[key] = T2
+            else:
+                del t1[key]
+                pinned[key] = T1
 
     def unpin(self, keys: Sequence[OffloadKey]) -> None:
         t1, t2, pop = self.t1, self.t2, self._pinned.pop
@@ -125,17 +129,25 @@ class ARCPolicy(CachePolicy):
         in_b2: list[bool] | None = None  # None: no incoming key is a ghost
         if not (b1.keys().isdisjoint(incoming) and b2.keys().isdisjoint(incoming)):
             p, cap = self.p, float(self.capacity)
-            # Ghost hits move p (ARC's adaptation), one incoming key at a time.
+            # Ghost hits move p (ARC's adaptation), one incoming key at a time; the
+            # steps are fixed for the call (the ghost lists do not change in it).
+            up = max(len(b2) / len(b1), 1.0) if b1 else 0.0
+            down = max(len(b1) / len(b2), 1.0) if b2 else 0.0
             in_b2 = []
+            flag = in_b2.append
             for key in incoming:
                 if key in b1:
-                    p = min(cap, p + max(len(b2) / len(b1), 1.0))
-                    in_b2.append(False)
+                    p += up
+                    if p > cap:
+                        p = cap
+                    flag(False)
                 elif key in b2:
-                    p = max(0.0, p - max(len(b1) / len(b2), 1.0))
-                    in_b2.append(True)
+                    p -= down
+                    if p < 0.0:
+                        p = 0.0
+                    flag(True)
                 else:
-                    in_b2.append(False)
+                    flag(False)
             self.p = p
         if n == 0:
             return []  # nothing left the tier: the ghost bounds still hold
