@@ -1,4 +1,4 @@
-"""``KVOffloadManager``: vLLM 0.33's manager contract over kvoffload's CPU and tiered managers."""
+"""``KVOffloadManager``: vLLM's manager contract over kvoffload's CPU tier."""
 
 from tests.vllm_required import need_vllm
 
@@ -6,7 +6,6 @@ need_vllm()
 
 import pytest  # noqa: E402
 from vllm.v1.kv_offload.base import (  # noqa: E402
-    Locality,
     LookupResult,
     Medium,
     ReqContext,
@@ -16,8 +15,6 @@ from vllm.v1.kv_offload.base import (  # noqa: E402
 from kvoffload.integrations.vllm import KVOffloadManager, parse_settings  # noqa: E402
 from kvoffload.integrations.vllm.settings import KVOffloadConfigError  # noqa: E402
 from kvoffload.offload import CPUOffloadingManager  # noqa: E402
-from kvoffload.offload.tiered_manager import TieredOffloadingManager  # noqa: E402
-from kvoffload.tiers.disk.manager import DiskOffloadingManager  # noqa: E402
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 HIT_PENDING, RETRY = LookupResult.HIT_PENDING, LookupResult.RETRY
@@ -33,12 +30,6 @@ def ctx(name: str = "r") -> ReqContext:
 
 def cpu_only(n: int = 4, **kw) -> KVOffloadManager:
     return KVOffloadManager(CPUOffloadingManager(n, "lru", enable_events=True), **kw)
-
-
-def tiered(n_cpu: int = 2, n_disk: int = 8) -> KVOffloadManager:
-    cpu = CPUOffloadingManager(n_cpu, "lru", enable_events=True)
-    disk = DiskOffloadingManager(n_disk, enable_events=True)
-    return KVOffloadManager(TieredOffloadingManager(cpu, [disk]))
 
 
 def store(m: KVOffloadManager, keys, ok: bool = True) -> None:
@@ -93,70 +84,25 @@ def test_store_threshold_counts_offers() -> None:
     assert second is not None and second.keys_to_store == [key(1)]
 
 
-def test_lower_tier_hit_write_down_retry_and_promotion_pending() -> None:
-    m = tiered(n_cpu=2)
+def test_a_failed_load_is_counted_and_unpins_its_blocks() -> None:
+    m = cpu_only(2)
     store(m, [key(1), key(2)])
-    # A third block evicts one from CPU; its write-down to disk is part of this store.
-    out = m.prepare_store([key(3)], ctx())
-    assert out is not None and len(out.evicted_keys) == 1
-    gone = out.evicted_keys[0]
-    assert m.lookup(gone, ctx()) is RETRY  # no tier can serve it until the write lands
-    m.complete_store(set(out.keys_to_store), ctx())
-    assert m.lookup(gone, ctx("a")) is HIT  # on disk, and CPU has room to promote it
-    m.prepare_load([gone], ctx("a"))
-    # Another request sees the promotion into the CPU tier in flight.
-    assert m.lookup(gone, ctx("b")) is HIT_PENDING
-    m.complete_load({gone}, ctx("a"))
-    assert m.lookup(gone, ctx("b")) is HIT
-    assert m.tiered is not None and m.tiered.hit_blocks_by_medium()["DISK"] == 1
-
-
-def test_no_cpu_room_to_promote_is_a_miss() -> None:
-    m = tiered(n_cpu=2)
-    store(m, [key(1), key(2)])
-    store(m, [key(3), key(4)])  # keys 1 and 2 now only on disk
-    m.prepare_load([key(3), key(4)], ctx("pin"))  # every CPU slot pinned
-    assert m.lookup(key(1), ctx("a")) is MISS
-    m.complete_load({key(3), key(4)}, ctx("pin"))
-    r = ctx("a")
-    assert m.lookup(key(1), r) is HIT and m.lookup(key(2), r) is HIT
-    # A third lower-tier block would need a third CPU slot for the same load.
-    store(m, [key(5), key(6)])
-    store(m, [key(7), key(8)])
-    assert m.lookup(key(5), r) is MISS
-
-
-def test_promotion_room_is_the_cpu_managers_num_room_blocks(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    m = tiered(n_cpu=2)
-    store(m, [key(1), key(2)])
-    store(m, [key(3), key(4)])  # keys 1 and 2 now only on disk, CPU slots evictable
-    r = ctx("a")
-    monkeypatch.setattr(m.cpu, "num_room_blocks", lambda: 1)  # a manager keeping headroom
-    assert m.lookup(key(1), r) is HIT and m.lookup(key(2), r) is MISS
-
-
-def test_a_failed_promotion_drops_the_lower_tier_copy() -> None:
-    m = tiered(n_cpu=2)
-    store(m, [key(1), key(2)])
-    store(m, [key(3), key(4)])
     spec = m.prepare_load([key(1)], ctx())
     m.note_failed([spec.op_id])
     m.complete_load({key(1)}, ctx())
-    assert m.failed_loads == 1
-    assert m.lookup(key(1), ctx()) is MISS
+    assert m.failed_loads == 1 and m.num_in_flight() == 0
+    assert m.cpu.num_evictable_blocks() == m.cpu.num_stored_blocks()
 
 
-def test_events_carry_each_tiers_medium() -> None:
-    m = tiered(n_cpu=1)
+def test_events_are_the_primary_cpu_tiers() -> None:
+    m = cpu_only(
+        1,
+    )
     store(m, [key(1)])
-    store(m, [key(2)])  # key 1 written down to disk
+    store(m, [key(2)])  # key 1 evicted
     events = list(m.take_events())
     seen = {(e.medium, e.locality, e.ownership, e.removed) for e in events}
-    assert (Medium.CPU, None, None, False) in seen
-    assert (Medium.CPU, None, None, True) in seen
-    assert (Medium.STORAGE, Locality.LOCAL, "DISK", False) in seen
+    assert seen == {(Medium.CPU, None, None, False), (Medium.CPU, None, None, True)}
 
 
 @pytest.mark.parametrize(
@@ -186,36 +132,19 @@ def test_settings_take_vllms_names_with_vllms_meaning() -> None:
     assert s.cpu_bytes == 64 << 30 and s.disk_bytes == 1 << 40 and s.write_through
 
 
-def test_reset_cache_forgets_every_tier_and_in_flight_job() -> None:
-    m = tiered(n_cpu=1)
+def test_reset_cache_forgets_every_block_and_in_flight_job() -> None:
+    m = cpu_only(2)
     store(m, [key(1)])
-    store(m, [key(2)])  # key 1 on disk, key 2 in CPU
     m.prepare_store([key(3)], ctx())  # in flight at the reset: vLLM never completes it
     m.take_events()
     m.reset_cache()
     assert m.num_in_flight() == 0
-    for i in (1, 2, 3):
+    for i in (1, 3):
         assert m.lookup(key(i), ctx()) is MISS
     removed = {(e.medium, e.ownership) for e in m.take_events() if e.removed}
-    assert (Medium.CPU, None) in removed and (Medium.STORAGE, "DISK") in removed
+    assert removed == {(Medium.CPU, None)}
     store(m, [key(4)])
     assert m.lookup(key(4), ctx()) is HIT
-
-
-def test_a_block_lost_between_lookup_and_load_gives_a_failing_job_not_an_exception() -> None:
-    m = tiered(n_cpu=2)
-    store(m, [key(1), key(2)])
-    store(m, [key(3), key(4)])  # keys 1 and 2 only on disk now
-    r = ctx("a")
-    assert m.lookup(key(1), r) is HIT
-    assert m.tiered is not None
-    m.tiered.lower[0].drop([key(1)])  # e.g. a Redis key expired meanwhile
-    spec = m.prepare_load([key(1)], r)
-    assert getattr(spec.inner, "error", None)  # the worker fails it without copying
-    m.note_failed([spec.op_id])
-    m.complete_load({key(1)}, r)
-    assert m.failed_loads == 1 and m.num_in_flight() == 0
-    assert m.cpu.num_evictable_blocks() == m.cpu.num_stored_blocks()
 
 
 def test_a_store_the_tier_declines_is_not_stored() -> None:

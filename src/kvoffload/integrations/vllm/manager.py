@@ -1,25 +1,17 @@
-"""vLLM 0.33's scheduler-side ``OffloadingManager`` over a kvoffload manager.
+"""vLLM's scheduler-side ``OffloadingManager`` over kvoffload's CPU tier (0.32 and 0.33).
 
-vLLM asks about one key at a time (``lookup(key, ctx)``) and answers with a
-``LookupResult``; kvoffload's managers answer for a run of keys. The mapping:
+This is the manager of ``KVOffloadSpec`` without lower tiers (with ``disk_dir``
+or ``redis_url`` the spec builds vLLM's tiering manager over kvoffload's tiers
+instead, see ``tiering``). vLLM asks about one key at a time
+(``lookup(key, ctx)``) and answers with a ``LookupResult``:
 
-- ``HIT``: the CPU tier holds the block, or a lower tier (disk, Redis) holds
-  it and the CPU tier has room to promote it (with the other lower-tier hits
-  this request has been told about). A lower-tier block is promoted inside
-  the load job: the worker reads it, verifies it (the disk and Redis stores
-  check a checksum and the key of every block), writes it into a CPU slot,
-  then copies it to the GPU. The GPU blocks are reported loaded only after
-  that; a read that fails verification fails the job (see ``worker``).
-- ``HIT_PENDING``: the block is being written into the CPU tier (a store in
-  flight, or another request's load promoting it there): found, not
-  readable yet. vLLM retries the request next step.
-- ``RETRY``: the CPU tier evicted the block and its write-down to a lower
-  tier is still in flight: no tier can serve it this instant, but one will.
-- ``MISS``: no tier has it, or the CPU tier has no room to promote it (all
-  slots pinned by loads and stores in flight), as vLLM's own tiering does.
+- ``HIT``: the CPU tier holds the block;
+- ``HIT_PENDING``: the block is being stored into the CPU tier: found, not
+  readable yet. vLLM retries the request next step;
+- ``MISS``: the CPU tier does not have it.
 
 vLLM completes jobs by key *set* (``complete_load(set(keys))``); kvoffload's
-tiered manager matches a completion to its ``prepare_*`` call by key order.
+manager matches a completion to its ``prepare_*`` call by key order.
 Each prepared job is recorded under its ``frozenset`` so that the ordered
 keys and the job's outcome can be passed on. The outcome comes from the
 worker through ``note_failed`` (``KVOffloadConnector`` forwards it); without
@@ -39,7 +31,6 @@ from typing import Any, Protocol
 
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
-    Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -54,22 +45,9 @@ from vllm.v1.kv_offload.base import (
 
 from kvoffload.integrations.vllm.store_threshold import StoreThreshold
 from kvoffload.offload import CPULoadStoreSpec, CPUOffloadingManager
-from kvoffload.offload import OffloadingManager as KVOffloadingManager
-from kvoffload.offload.lower_tier import DISK_MEDIUM, REMOTE_MEDIUM, TieredLoadStoreSpec
-from kvoffload.offload.media import CPU_MEDIUM
-from kvoffload.offload.tiered_manager import TieredOffloadingManager
 
 # Under "vllm." so that vLLM's logging configuration shows these lines.
 logger = logging.getLogger("vllm.kvoffload")
-
-#: kvoffload medium -> (vLLM medium, locality, ownership) in vLLM's KV events.
-#: The CPU tier is vLLM's primary tier (no ownership); lower tiers are
-#: secondary tiers named by their kvoffload medium.
-EVENT_MEDIA: dict[str, tuple[Medium, Locality | None, str | None]] = {
-    CPU_MEDIUM: (Medium.CPU, None, None),
-    DISK_MEDIUM: (Medium.STORAGE, Locality.LOCAL, DISK_MEDIUM),
-    REMOTE_MEDIUM: (Medium.STORAGE, Locality.REMOTE, REMOTE_MEDIUM),
-}
 
 
 class KVOffloadJobSpec(LoadStoreSpec):
@@ -91,8 +69,6 @@ class KVOffloadJobSpec(LoadStoreSpec):
 class _Op:
     op_id: int
     keys: list[OffloadKey]
-    #: A load that could not be prepared: nothing was pinned, the worker fails it.
-    rejected: bool = False
 
 
 #: ``kv_transfer_params`` key of the session hint: ``{"kvoffload_continues": true}`` on a
@@ -204,15 +180,8 @@ class RequestHints:
         return len(self._queued)
 
 
-@dataclass
-class _RequestLookups:
-    """Lower-tier keys this request was told are HITs: each needs a CPU slot to load."""
-
-    promotions: set[OffloadKey] = field(default_factory=set)
-
-
 class KVOffloadManager(OffloadingManager):
-    """vLLM's manager API over kvoffload's ``CPUOffloadingManager`` or ``TieredOffloadingManager``.
+    """vLLM's manager API over kvoffload's ``CPUOffloadingManager`` (the CPU tier).
 
     ``store_threshold`` (vLLM's meaning): a block is stored only once it has
     been offered that many times (< 2: always); offers are counted for the
@@ -221,16 +190,14 @@ class KVOffloadManager(OffloadingManager):
 
     def __init__(
         self,
-        inner: KVOffloadingManager,
+        inner: CPUOffloadingManager,
         store_threshold: int = 0,
         max_tracker_size: int = 64_000,
     ) -> None:
+        if not isinstance(inner, CPUOffloadingManager):
+            raise TypeError(f"expected kvoffload's CPUOffloadingManager, got {type(inner)}")
         self.inner = inner
-        self.tiered = inner if isinstance(inner, TieredOffloadingManager) else None
-        cpu = inner.cpu if isinstance(inner, TieredOffloadingManager) else inner
-        if not isinstance(cpu, CPUOffloadingManager):
-            raise TypeError(f"expected a CPU or tiered kvoffload manager, got {type(inner)}")
-        self.cpu = cpu
+        self.cpu = inner
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
         self._threshold = StoreThreshold(store_threshold, max_tracker_size)
@@ -258,46 +225,12 @@ class KVOffloadManager(OffloadingManager):
             return LookupResult.HIT
         if cpu.is_storing(key):
             return LookupResult.HIT_PENDING
-        if self.tiered is None:
-            return LookupResult.MISS
-        writing_down = False
-        for tier in self.tiered.lower:
-            if tier.stored_mask([key])[0]:
-                return self._promotable(key, req_context)
-            slot_of = getattr(tier, "slot_of", None)
-            if slot_of is not None and slot_of(key) is not None:
-                writing_down = True
-        return LookupResult.RETRY if writing_down else LookupResult.MISS
-
-    def _promotable(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        state = req_context.get_state(_RequestLookups)
-        if state is None:
-            state = _RequestLookups()
-            req_context.set_state(state)
-        wanted = state.promotions | {key}
-        room = self.cpu.num_room_blocks()
-        if len(wanted) > room:
-            return LookupResult.MISS
-        state.promotions = wanted
-        return LookupResult.HIT
+        return LookupResult.MISS
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         ordered = list(keys)
-        state = req_context.get_state(_RequestLookups)
-        if state is not None:
-            state.promotions.difference_update(ordered)
         op = _Op(next(self._op_ids), ordered)
-        try:
-            inner = self.inner.prepare_load(ordered)
-        except ValueError as exc:
-            if self.tiered is None:
-                raise
-            # A lower tier lost a block since lookup() said HIT (a Redis key expired
-            # or was evicted by another instance). Nothing is pinned; the worker
-            # fails the job at once and vLLM's load-failure recovery takes over.
-            logger.warning("kvoffload: load of %d blocks rejected: %s", len(ordered), exc)
-            op.rejected = True
-            inner = TieredLoadStoreSpec(CPULoadStoreSpec([]), error=str(exc))
+        inner = self.inner.prepare_load(ordered)
         self._loads.setdefault(frozenset(ordered), deque()).append(op)
         return KVOffloadJobSpec(inner, op.op_id)
 
@@ -329,14 +262,9 @@ class KVOffloadManager(OffloadingManager):
         op, ok = self._pop(self._loads, keys)
         if op is None:
             raise ValueError(f"complete_load of {len(keys)} keys that no prepare_load pinned")
-        if not ok or op.rejected:
+        if not ok:
             self.failed_loads += 1
-        if op.rejected:
-            return
-        if self.tiered is not None:
-            self.tiered.complete_load(op.keys, success=ok)
-        else:
-            self.cpu.complete_load(op.keys)
+        self.cpu.complete_load(op.keys)
 
     # -- stores ----------------------------------------------------------------
 
@@ -397,9 +325,6 @@ class KVOffloadManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        state = req_context.get_state(_RequestLookups)
-        if state is not None:
-            state.promotions.clear()
         self.hints.finished(req_context.req_id)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
@@ -434,17 +359,9 @@ class KVOffloadManager(OffloadingManager):
         return self.hints.num_queued()
 
     def take_events(self) -> Iterator[OffloadingEvent]:
+        """The CPU tier's events, as vLLM's primary tier spells them (``Medium.CPU``)."""
         for ev in self.inner.take_events():
-            medium, locality, ownership = EVENT_MEDIA.get(
-                ev.medium, (Medium.STORAGE, Locality.LOCAL, ev.medium)
-            )
-            yield OffloadingEvent(
-                keys=list(ev.keys),
-                medium=medium,
-                removed=ev.removed,
-                locality=locality,
-                ownership=ownership,
-            )
+            yield OffloadingEvent(keys=list(ev.keys), medium=Medium.CPU, removed=ev.removed)
 
     def reset_cache(self) -> None:
         """Forget every block of every tier (vLLM: ``reset_prefix_cache``, e.g. new weights).

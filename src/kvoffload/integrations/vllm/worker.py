@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from vllm.v1.kv_offload.base import (
@@ -58,10 +57,6 @@ from kvoffload.transfer import HostPool, KVGeometry, KVLayout
 from kvoffload.transfer.handler import TransferHandler
 from kvoffload.transfer.worker import OffloadingWorker as KVWorker
 from kvoffload.transfer.worker import make_cpu_gpu_handler
-
-if TYPE_CHECKING:
-    # The tiers module imports the Redis client; the CPU-only worker must not need it.
-    from kvoffload.tiers.stack import LowerTiers
 
 # Under "vllm." so that vLLM's logging configuration shows these lines.
 logger = logging.getLogger("vllm.kvoffload")
@@ -112,8 +107,7 @@ class _Job:
 class KVOffloadWorker(OffloadingWorker):
     """Runs vLLM's transfer jobs on a kvoffload ``OffloadingWorker``.
 
-    ``lower``: the disk/Redis tiers under the CPU tier, if any (their handlers
-    get registered here). ``recover_failed_loads``: see the module docstring.
+    ``recover_failed_loads``: see the module docstring.
     ``sub_block_pools``: with offloaded blocks of ``f > 1`` GPU blocks in
     vLLM's shared rows, the ``f`` one-block pools (``host_pool`` is the first).
     """
@@ -123,7 +117,6 @@ class KVOffloadWorker(OffloadingWorker):
         layout: KVLayout,
         gpu_tensors: list[torch.Tensor],
         host_pool: HostPool,
-        lower: LowerTiers | None = None,
         recover_failed_loads: bool = False,
         num_threads: int = 2,
         on_shutdown: Callable[[], None] | None = None,
@@ -132,7 +125,6 @@ class KVOffloadWorker(OffloadingWorker):
         self.layout = layout
         self.gpu_tensors = gpu_tensors
         self.host_pool = host_pool
-        self.lower = lower
         self.recover_failed_loads = recover_failed_loads
         self.on_shutdown = on_shutdown
         self.worker = KVWorker()
@@ -147,8 +139,6 @@ class KVOffloadWorker(OffloadingWorker):
             handler = make_cpu_gpu_handler(gpu_tensors, layout, host_pool, num_threads)
         self.worker.register_handler(GPU_MEDIUM, CPU_MEDIUM, handler)
         self.worker.register_handler(CPU_MEDIUM, GPU_MEDIUM, handler)
-        if lower is not None:
-            lower.register(self.worker)
         self._jobs: dict[int, _Job] = {}
         self._load_error_blocks: set[int] = set()
         self._failed_ops: set[int] = set()
@@ -245,8 +235,6 @@ class KVOffloadWorker(OffloadingWorker):
 
     def shutdown(self) -> None:
         self.worker.close()
-        if self.lower is not None:
-            self.lower.close()
         if self.on_shutdown is not None:
             # The host pool may view memory the hook releases (the shared region):
             # drop this worker's views of it first.
