@@ -97,15 +97,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         dest="cache_policy",
         default=None,
         help="CPU-tier cache policy (default: queue_arms: blocks that queued requests need "
-        "are kept, the one needed farthest ahead goes first, around chain-aware LRU whose "
-        "admission (all, second sighting, or BIP against loops) follows sampled shadow "
-        "caches. On `kvoffload bench offload`, Mooncake trace, 1-25%% tiers: with no hints "
-        "at or above vLLM's lru, arc and store_threshold=2 everywhere; a 5 s queue closes "
-        "18%% of the gap to Belady at 1-10%%, a 30 s one about half. A loop twice the tier "
-        "keeps 97%% of Belady's hits (vLLM's: none). Without hints it trails on generated "
-        "traces: vLLM's arc by 2-3 points at 1%% under popular-document (RAG) load, "
-        "store_threshold=2 by 0.2 points at 1%% on agent traces, LRU by up to 0.45 points "
-        "on chat)",
+        "are kept, the one needed farthest ahead goes first, in front of a duel of sampled "
+        "shadow tiers among chain-aware LRU admitting all, second sightings or a bimodal "
+        "trickle against loops, and ARC. On `kvoffload bench offload`, Mooncake trace, "
+        "1-25%% tiers: with no hints at or above vLLM's lru, arc and store_threshold=2 "
+        "everywhere; a 5 s queue closes 18%% of the gap to Belady at 1-10%%, a 30 s one "
+        "56%%; a loop twice the tier keeps 99%% of Belady's hits (vLLM's: none). Where it "
+        "trails without hints: README, Cache policy)",
     )
     o.add_argument(
         "--disk-dir",
