@@ -70,8 +70,15 @@ class ARCPolicy(CachePolicy):
 
     def insert(self, keys: Sequence[OffloadKey]) -> None:
         b1, b2, t1, t2 = self.b1, self.b2, self.t1, self.t2
+        order = self.chain_order(keys)
+        if b1.keys().isdisjoint(order) and b2.keys().isdisjoint(order):
+            for key in order:  # no ghost remembers any: all to T1
+                t1[key] = None
+            self.n1 += len(order)
+            self._trim_ghosts()
+            return
         added2 = 0
-        for key in self.chain_order(keys):
+        for key in order:
             if key in b1 or key in b2:
                 # A ghost remembered it: forget the ghost, and it was used again.
                 if key in b1:
@@ -150,7 +157,7 @@ class ARCPolicy(CachePolicy):
                     flag(False)
             self.p = p
         if n == 0:
-            return []  # nothing left the tier: the ghost bounds still hold
+            return []
         p = self.p
         t1, t2 = self.t1, self.t2
         n1, n2 = self.n1, self.n2
@@ -186,5 +193,6 @@ class ARCPolicy(CachePolicy):
                 append(key)
             i += k
         self.n1, self.n2 = n1, n2
-        self._trim_ghosts()
+        # No trim: each victim moved from T1 to B1 or from T2 to B2, which leaves
+        # |T1| + |B1| and the total as they were (within bounds).
         return victims
