@@ -25,12 +25,16 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from itertools import repeat, starmap
+from operator import itemgetter
 
 from kvoffload.offload.base import OffloadKey
+from kvoffload.offload.policies.arms import _OLDEST, _consume
 from kvoffload.offload.policies.base import CachePolicy
 
 T1, T2 = 1, 2
 _MISSING = object()
+_first = itemgetter(0)  # a popped item's key
 
 
 class ArcArm(CachePolicy):
@@ -62,19 +66,27 @@ class ArcArm(CachePolicy):
     def _trim_ghosts(self) -> None:
         c = self.capacity
         b1, b2 = self.b1, self.b2
-        over1 = self.n1 + len(b1) - c
-        for _ in range(min(len(b1), max(0, over1))):
-            b1.popitem(last=False)
+        over1 = min(len(b1), self.n1 + len(b1) - c)
+        if over1 > 0:
+            _consume(starmap(b1.popitem, repeat(_OLDEST, over1)))
         over = self.n1 + self.n2 + len(b1) + len(b2) - 2 * c
-        while over > 0 and b2:
-            b2.popitem(last=False)
-            over -= 1
-        while over > 0 and b1:
-            b1.popitem(last=False)
-            over -= 1
+        if over > 0:
+            k = min(over, len(b2))
+            if k:
+                _consume(starmap(b2.popitem, repeat(_OLDEST, k)))
+            k = min(over - k, len(b1))
+            if k > 0:
+                _consume(starmap(b1.popitem, repeat(_OLDEST, k)))
 
     def insert(self, keys: Sequence[OffloadKey]) -> None:
         b1, b2, t1, t2, where = self.b1, self.b2, self.t1, self.t2, self.where
+        if (not b1 or b1.keys().isdisjoint(keys)) and (not b2 or b2.keys().isdisjoint(keys)):
+            # No ghost hit (the usual store): all of them join T1, tail first, in C loops.
+            t1.update(dict.fromkeys(keys[::-1]))
+            where.update(dict.fromkeys(keys, T1))
+            self.n1 += len(keys)
+            self._trim_ghosts()
+            return
         missing = _MISSING
         again = 0
         for key in self.chain_order(keys):
@@ -118,20 +130,24 @@ class ArcArm(CachePolicy):
     def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
         b1, b2 = self.b1, self.b2
         p, cap = self.p, float(self.capacity)
-        in_b2: list[bool] = []
-        for key in incoming:
-            if key in b1:
-                p = min(cap, p + max(len(b2) / len(b1), 1.0))
-                in_b2.append(False)
-            elif key in b2:
-                p = max(0.0, p - max(len(b1) / len(b2), 1.0))
-                in_b2.append(True)
-            else:
-                in_b2.append(False)
-        self.p = p
+        in_b2: list[bool] | None = None  # None: no incoming key in B2
+        if (b1 and not b1.keys().isdisjoint(incoming)) or (
+            b2 and not b2.keys().isdisjoint(incoming)
+        ):
+            in_b2 = []
+            for key in incoming:
+                if key in b1:
+                    p = min(cap, p + max(len(b2) / len(b1), 1.0))
+                    in_b2.append(False)
+                elif key in b2:
+                    p = max(0.0, p - max(len(b1) / len(b2), 1.0))
+                    in_b2.append(True)
+                else:
+                    in_b2.append(False)
+            self.p = p
         t1, t2, where = self.t1, self.t2, self.where
         n1, n2 = self.n1, self.n2
-        off = len(in_b2) - n
+        off = len(incoming) - n
         victims: list[OffloadKey] = []
         pop1, pop2 = t1.popitem, t2.popitem
         i = 0
@@ -144,18 +160,18 @@ class ArcArm(CachePolicy):
                 k = min(n - i, len(t1))
                 if t2:
                     k = min(k, math.ceil(n1 - p))
-                run = [pop1(last=False)[0] for _ in range(k)]
+                run = list(map(_first, starmap(pop1, repeat(_OLDEST, k))))
                 n1 -= k
                 ghost = b1
             elif t2 and (not t1 or n1 < p):
                 k = min(n - i, len(t2))
-                run = [pop2(last=False)[0] for _ in range(k)]
+                run = list(map(_first, starmap(pop2, repeat(_OLDEST, k))))
                 n2 -= k
                 ghost = b2
             else:
                 j = off + i
                 k = 1
-                if j >= 0 and in_b2[j]:
+                if j >= 0 and in_b2 is not None and in_b2[j]:
                     run = [pop1(last=False)[0]]
                     n1 -= 1
                     ghost = b1
@@ -163,9 +179,8 @@ class ArcArm(CachePolicy):
                     run = [pop2(last=False)[0]]
                     n2 -= 1
                     ghost = b2
-            for key in run:
-                ghost[key] = None
-                del where[key]
+            ghost.update(dict.fromkeys(run))
+            _consume(map(where.__delitem__, run))
             victims += run
             i += k
         self.n1, self.n2 = n1, n2

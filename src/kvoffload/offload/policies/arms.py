@@ -24,8 +24,9 @@ always gives the same result.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from itertools import compress, repeat, starmap
 from typing import ClassVar
 
 from kvoffload.offload.base import OffloadKey
@@ -34,6 +35,12 @@ from kvoffload.offload.policies.chain_lru import ChainLRUPolicy
 
 ALL, SECOND, BIP = 0, 1, 2
 MODE_NAMES = ("all", "second", "bip")
+_OLDEST = (False,)  # popitem's argument: the least recent item
+
+
+def _consume(it: Iterable[object]) -> None:
+    """Run an iterator of calls to its end in C (a zero-length deque keeps nothing)."""
+    deque(it, 0)
 
 
 class _Shadow:
@@ -146,6 +153,7 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
         self._max_store = 0  # the most new keys one store has brought
         self._pinned_rejects: set[OffloadKey] = set()
         self._offered: dict[OffloadKey, bool] | None = None  # ``admit``'s last decisions
+        self._offered_all = False  # ... all of them True
         self.mode = SECOND  # until the shadows have seen enough: measured safer than ALL
         self._keep = 1.0 - 1.0 / (self.window * shadow_cap)
 
@@ -270,10 +278,13 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
         if not keys:
             return None
         self._observe(keys)
-        if len(keys) > self._max_store:
-            self._max_store = min(len(keys), self.capacity // 2)
+        n = len(keys)
+        if n > self._max_store:
+            self._max_store = min(n, self.capacity // 2)
         history, mode = self.history, self.mode
-        if mode == SECOND:
+        fresh = dict.fromkeys(keys)
+        if mode == SECOND and len(fresh) < n:
+            # A key repeated within the call is a second sighting at its repeat.
             decided = []
             for k in keys:
                 if k in history:
@@ -282,33 +293,44 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
                 else:
                     history[k] = None
                     decided.append(False)
+            every = all(decided)
         else:
-            ok = True
-            if mode == BIP:
-                self._stores += 1
-                ok = len(keys) <= self._room() or self._stores % self.bip_period == 0
-            for k in keys:
-                history[k] = None
-                history.move_to_end(k)
-            decided = [ok] * len(keys)
-        while len(history) > self._history_size:
-            history.popitem(last=False)
+            if mode == SECOND:
+                decided = list(map(history.__contains__, keys))
+                every = all(decided)
+            else:
+                every = True
+                if mode == BIP:
+                    self._stores += 1
+                    every = n <= self._room() or self._stores % self.bip_period == 0
+                decided = [every] * n
+            # Every key ends most recent, in call order (C loops: no per-key bytecode).
+            history.update(fresh)
+            _consume(map(history.move_to_end, keys))
+        over = len(history) - self._history_size
+        if over > 0:
+            _consume(starmap(history.popitem, repeat(_OLDEST, over)))
         self._offered = dict(zip(keys, decided))
+        self._offered_all = every
+        if every:
+            return decided
         spare = (
             self.capacity - len(self.inner) - len(self._pinned_rejects) - in_flight - sum(decided)
         )
-        flags = list(decided)
-        for i, f in enumerate(flags):
-            if spare <= 0:
-                break
+        if spare <= 0:
+            return decided
+        # Declined keys fill the spare slots, head first.
+        for i, f in enumerate(decided):
             if not f:
-                flags[i] = True
+                decided[i] = True
                 spare -= 1
-        return flags
+                if spare <= 0:
+                    break
+        return decided
 
     def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
         offered, self._offered = self._offered, None
-        if offered is not None and incoming and all(k in offered for k in incoming):
+        if offered is not None and incoming and all(map(offered.__contains__, incoming)):
             return self._evict_decided(n, incoming, offered)
         self._observe(incoming)
         if len(incoming) > self._max_store:
@@ -342,7 +364,10 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
         self, n: int, incoming: Sequence[OffloadKey], offered: dict[OffloadKey, bool]
     ) -> list[OffloadKey]:
         """``evict`` for a store whose keys ``admit`` judged (observed and decided there)."""
-        admitted = [k for k in incoming if offered[k]]
+        if self._offered_all:
+            admitted = list(incoming)
+        else:
+            admitted = list(compress(incoming, map(offered.__getitem__, incoming)))
         admit = self._admit
         admit.update(admitted)
         if len(admit) > self._history_size:

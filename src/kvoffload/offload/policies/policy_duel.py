@@ -43,11 +43,12 @@ empty); ``len``, ``num_evictable`` and pins are the live structure's.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import filterfalse, repeat, starmap
 from typing import ClassVar
 
 from kvoffload.offload.base import OffloadKey
 from kvoffload.offload.policies.arc_arm import ArcArm
-from kvoffload.offload.policies.arms import ALL, ArmsChainLRUPolicy
+from kvoffload.offload.policies.arms import _OLDEST, ALL, ArmsChainLRUPolicy, _consume
 from kvoffload.offload.policies.base import CachePolicy
 from kvoffload.offload.policies.chain_lru import ChainLRUPolicy
 from kvoffload.offload.policies.shadow_tier import ARC, BIP, SECOND, ShadowTier
@@ -131,7 +132,7 @@ class ArmsDuel(ArmsChainLRUPolicy):
 
     def _note_fresh(self, keys: Sequence[OffloadKey]) -> None:
         history, fresh = self.history, self._fresh
-        fresh.update([k for k in keys if k not in history])
+        fresh.update(filterfalse(history.__contains__, keys))
         if len(fresh) > 4 * self.capacity:
             # Offers that were never stored, or keys long evicted: O(n) once per n offers.
             nodes = self.inner
@@ -186,7 +187,12 @@ class ArmsDuel(ArmsChainLRUPolicy):
         # As in chain_arms: BIP's shadow flatters it, second sighting must lead a little.
         eff = (sa, sb / self.second_lead, sc / self.bip_lead)
         mode = self.mode
-        best = max(range(3), key=eff.__getitem__)
+        # The first of the best, as max(range(3), key=eff.__getitem__) (ties keep the lower).
+        best, top = 0, eff[0]
+        if eff[1] > top:
+            best, top = 1, eff[1]
+        if eff[2] > top:
+            best = 2
         # Leaving a filter for ALL is cheap (nothing kept is lost) and waiting costs a
         # chat its next turns' hits, so ALL needs only to lead; a filter, which keeps
         # whatever ALL let in and is slow to undo, needs the margin.
@@ -210,11 +216,11 @@ class ArmsDuel(ArmsChainLRUPolicy):
         """Record an offer in the sighting history (as ``admit`` does), deciding nothing:
         the ARC structure is live, and a later switch back needs the history current."""
         history = self.history
-        for k in keys:
-            history[k] = None
-            history.move_to_end(k)
-        while len(history) > self._history_size:
-            history.popitem(last=False)
+        history.update(dict.fromkeys(keys))
+        _consume(map(history.move_to_end, keys))  # each key most recent, in call order
+        over = len(history) - self._history_size
+        if over > 0:
+            _consume(starmap(history.popitem, repeat(_OLDEST, over)))
 
     def take_resident(self) -> tuple[list[OffloadKey], list[OffloadKey], list[OffloadKey]]:
         """(rejects, kept keys, pinned keys), unpinned ones next victim first; then empty.
@@ -344,7 +350,7 @@ class PolicyDuel(CachePolicy):
     def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
         if self.on_arc:
             decided, self._decided = self._decided, None
-            if decided is None or not all(k in decided for k in incoming):
+            if decided is None or not decided.issuperset(incoming):
                 self._clock += len(incoming)
                 self.lru.observe_offer(incoming)
                 self.lru.note_offer(incoming)
