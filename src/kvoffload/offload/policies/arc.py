@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import islice
 
 from kvoffload.offload.base import OffloadKey
 from kvoffload.offload.policies.base import CachePolicy
@@ -133,28 +134,21 @@ class ARCPolicy(CachePolicy):
 
     def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
         b1, b2 = self.b1, self.b2
-        in_b2: list[bool] | None = None  # None: no incoming key is a ghost
         if not (b1.keys().isdisjoint(incoming) and b2.keys().isdisjoint(incoming)):
             p, cap = self.p, float(self.capacity)
             # Ghost hits move p (ARC's adaptation), one incoming key at a time; the
             # steps are fixed for the call (the ghost lists do not change in it).
             up = max(len(b2) / len(b1), 1.0) if b1 else 0.0
             down = max(len(b1) / len(b2), 1.0) if b2 else 0.0
-            in_b2 = []
-            flag = in_b2.append
             for key in incoming:
                 if key in b1:
                     p += up
                     if p > cap:
                         p = cap
-                    flag(False)
                 elif key in b2:
                     p -= down
                     if p < 0.0:
                         p = 0.0
-                    flag(True)
-                else:
-                    flag(False)
             self.p = p
         if n == 0:
             return []
@@ -163,8 +157,6 @@ class ARCPolicy(CachePolicy):
         n1, n2 = self.n1, self.n2
         off = len(incoming) - n
         victims: list[OffloadKey] = []
-        pop1, pop2 = t1.popitem, t2.popitem
-        append = victims.append
         i = 0
         while i < n:
             # Room for incoming[-n + i]: ARC's REPLACE with that key's B2 flag. Runs of
@@ -173,24 +165,27 @@ class ARCPolicy(CachePolicy):
             if t1 and (not t2 or n1 > p):
                 k = min(n - i, len(t1), math.ceil(n1 - p)) if t2 else min(n - i, len(t1))
                 n1 -= k
-                pop, ghost = pop1, b1
+                lru, ghost = t1, b1
             elif t2 and (not t1 or n1 < p):
                 k = min(n - i, len(t2))
                 n2 -= k
-                pop, ghost = pop2, b2
-            else:  # |T1| == p: the incoming key's B2 flag decides, one victim
+                lru, ghost = t2, b2
+            else:  # |T1| == p: whether the incoming key is in B2 decides, one victim
+                # (victims are resident, never incoming: adding them to the ghost
+                # lists leaves the incoming keys' membership as it was at the start)
                 j = off + i
-                if in_b2 is not None and j >= 0 and in_b2[j]:
+                if j >= 0 and incoming[j] in b2:
                     n1 -= 1
-                    pop, ghost = pop1, b1
+                    lru, ghost = t1, b1
                 else:
                     n2 -= 1
-                    pop, ghost = pop2, b2
+                    lru, ghost = t2, b2
                 k = 1
-            for _ in range(k):
-                key = pop(False)[0]
+            run = list(islice(lru, k))  # the k least recent
+            for key in run:
+                del lru[key]
                 ghost[key] = None
-                append(key)
+            victims += run
             i += k
         self.n1, self.n2 = n1, n2
         # No trim: each victim moved from T1 to B1 or from T2 to B2, which leaves
