@@ -239,7 +239,7 @@ class ReferenceMachine(RuleBasedStateMachine):
 
 
 TestReferenceMachine = ReferenceMachine.TestCase
-TestReferenceMachine.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
+TestReferenceMachine.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
 
 
 def test_flat_lru_is_the_chain_unaware_one() -> None:
