@@ -8,8 +8,10 @@ on generated traces against the arm each workload needs.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,6 +20,7 @@ from kvoffload.bench.traces import generate, trace_keys
 from kvoffload.offload import OffloadKey
 from kvoffload.offload.policies.arc_arm import T1, T2, ArcArm
 from kvoffload.offload.policies.policy_duel import ARC, PolicyDuel, fit_room
+from kvoffload.offload.policies.queue import QueueAwarePolicy
 from kvoffload.offload.policies.shadow_tier import ALL, SECOND, ShadowTier
 from tests.offload.keyutil import key, keys
 
@@ -316,3 +319,55 @@ def test_same_trace_same_result() -> None:
     trace = trace_keys(generate("mixed", 400, seed=8))
     a, b = (replay(trace, "policy_duel", 60) for _ in range(2))
     assert a.hit_blocks == b.hit_blocks and a.block_ops == b.block_ops
+
+
+# -- pinned decisions: a faster version must decide exactly as this one ---------------------
+
+# (kind, capacity) -> (hit blocks, digest of every admit / evict answer of queue_arms) on
+# generate(kind, 400, seed=11). Recorded before the speed work on policy_duel / shadow_tier /
+# arc_arm / arms (all four arms are followed at some point). A change here is a change of
+# behaviour: re-record only on purpose (or when ``generate`` itself changes).
+_PINNED = {
+    ("rag", 36): (1697, "12b52fd1ca58747a"),
+    ("rag", 183): (2207, "1e22ccee0c5c24c9"),
+    ("rag", 915): (2658, "43ff4c80897b335c"),
+    ("chat", 10): (1095, "22e421dcb895c5f9"),
+    ("chat", 53): (2539, "3502c32300ef8464"),
+    ("chat", 267): (4035, "b06b49cdea173f33"),
+    ("agent", 10): (800, "fa67e1841dbe300c"),
+    ("agent", 52): (3518, "ef715715eacec23b"),
+    ("agent", 261): (19579, "5cc0e8945684461c"),
+    ("loop", 8): (180, "b641cfc8d7eb09c2"),
+    ("loop", 15): (315, "659f24d622af493d"),
+    ("loop", 78): (3404, "0ed624e062751c83"),
+}
+
+
+def test_decisions_are_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    digest = [hashlib.sha256()]
+    arms: set[str] = set()
+
+    def recording(name: str) -> object:
+        orig = getattr(QueueAwarePolicy, name)
+
+        def call(self: QueueAwarePolicy, *args: object, **kwargs: object) -> object:
+            out = orig(self, *args, **kwargs)
+            digest[0].update(repr((name, out)).encode())
+            arms.add(self.inner.arm)  # type: ignore[attr-defined]
+            return out
+
+        return call
+
+    monkeypatch.setattr(QueueAwarePolicy, "evict", recording("evict"))
+    monkeypatch.setattr(QueueAwarePolicy, "admit", recording("admit"))
+    got = {}
+    for kind in ("rag", "chat", "agent", "loop"):
+        trace = trace_keys(generate(kind, 400, seed=11))
+        unique = len({k for ks in trace for k in ks})
+        for share in (0.01, 0.05, 0.25):
+            cap = max(8, int(share * unique))
+            digest[0] = hashlib.sha256()
+            r = replay(trace, "queue_arms", cap)
+            got[(kind, cap)] = (r.hit_blocks, digest[0].hexdigest()[:16])
+    assert got == _PINNED
+    assert arms == {"all", "second", "bip", "arc"}

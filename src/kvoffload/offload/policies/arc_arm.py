@@ -25,16 +25,12 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from itertools import repeat, starmap
-from operator import itemgetter
 
 from kvoffload.offload.base import OffloadKey
-from kvoffload.offload.policies.arms import _OLDEST, _consume
 from kvoffload.offload.policies.base import CachePolicy
 
 T1, T2 = 1, 2
 _MISSING = object()
-_first = itemgetter(0)  # a popped item's key
 
 
 class ArcArm(CachePolicy):
@@ -66,23 +62,23 @@ class ArcArm(CachePolicy):
     def _trim_ghosts(self) -> None:
         c = self.capacity
         b1, b2 = self.b1, self.b2
-        over1 = min(len(b1), self.n1 + len(b1) - c)
-        if over1 > 0:
-            _consume(starmap(b1.popitem, repeat(_OLDEST, over1)))
+        over1 = self.n1 + len(b1) - c
+        for _ in range(min(len(b1), over1)):  # nothing when over1 <= 0
+            b1.popitem(last=False)
         over = self.n1 + self.n2 + len(b1) + len(b2) - 2 * c
-        if over > 0:
-            k = min(over, len(b2))
-            if k:
-                _consume(starmap(b2.popitem, repeat(_OLDEST, k)))
-            k = min(over - k, len(b1))
-            if k > 0:
-                _consume(starmap(b1.popitem, repeat(_OLDEST, k)))
+        while over > 0 and b2:
+            b2.popitem(last=False)
+            over -= 1
+        while over > 0 and b1:
+            b1.popitem(last=False)
+            over -= 1
 
     def insert(self, keys: Sequence[OffloadKey]) -> None:
         b1, b2, t1, t2, where = self.b1, self.b2, self.t1, self.t2, self.where
         if (not b1 or b1.keys().isdisjoint(keys)) and (not b2 or b2.keys().isdisjoint(keys)):
-            # No ghost hit (the usual store): all of them join T1, tail first, in C loops.
-            t1.update(dict.fromkeys(keys[::-1]))
+            # No ghost hit (the usual store): all of them join T1, tail first, no pops.
+            for key in keys[::-1]:
+                t1[key] = None
             where.update(dict.fromkeys(keys, T1))
             self.n1 += len(keys)
             self._trim_ghosts()
@@ -160,12 +156,12 @@ class ArcArm(CachePolicy):
                 k = min(n - i, len(t1))
                 if t2:
                     k = min(k, math.ceil(n1 - p))
-                run = list(map(_first, starmap(pop1, repeat(_OLDEST, k))))
+                run = [pop1(last=False)[0] for _ in range(k)]
                 n1 -= k
                 ghost = b1
             elif t2 and (not t1 or n1 < p):
                 k = min(n - i, len(t2))
-                run = list(map(_first, starmap(pop2, repeat(_OLDEST, k))))
+                run = [pop2(last=False)[0] for _ in range(k)]
                 n2 -= k
                 ghost = b2
             else:
@@ -179,8 +175,9 @@ class ArcArm(CachePolicy):
                     run = [pop2(last=False)[0]]
                     n2 -= 1
                     ghost = b2
-            ghost.update(dict.fromkeys(run))
-            _consume(map(where.__delitem__, run))
+            for key in run:
+                ghost[key] = None
+                del where[key]
             victims += run
             i += k
         self.n1, self.n2 = n1, n2

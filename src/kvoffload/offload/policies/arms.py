@@ -304,8 +304,10 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
                     self._stores += 1
                     every = n <= self._room() or self._stores % self.bip_period == 0
                 decided = [every] * n
-            # Every key ends most recent, in call order (C loops: no per-key bytecode).
-            history.update(fresh)
+            # Every key ends most recent, in call order. (OrderedDict.update and slot
+            # wrappers such as __setitem__ are slower than this loop; move_to_end is not.)
+            for k in keys:
+                history[k] = None
             _consume(map(history.move_to_end, keys))
         over = len(history) - self._history_size
         if over > 0:

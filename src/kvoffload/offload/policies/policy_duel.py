@@ -216,7 +216,8 @@ class ArmsDuel(ArmsChainLRUPolicy):
         """Record an offer in the sighting history (as ``admit`` does), deciding nothing:
         the ARC structure is live, and a later switch back needs the history current."""
         history = self.history
-        history.update(dict.fromkeys(keys))
+        for k in keys:
+            history[k] = None
         _consume(map(history.move_to_end, keys))  # each key most recent, in call order
         over = len(history) - self._history_size
         if over > 0:

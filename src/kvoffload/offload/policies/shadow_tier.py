@@ -115,8 +115,11 @@ class ShadowTier:
                 lru[key] = None
         if len(new) < len(offered):
             # Declined keys take only what costs no kept key: free slots and old rejects.
-            admitted = set(new)
-            declined = [k for k in offered if k not in admitted][: cap - len(lru)]
+            if new:
+                admitted = set(new)
+                declined = [k for k in offered if k not in admitted][: cap - len(lru)]
+            else:  # all declined (BIP's usual case)
+                declined = offered[: cap - len(lru)]
             over = len(lru) + len(rejects) + len(declined) - cap
             for _ in range(max(0, over)):
                 rejects.popitem(last=False)
