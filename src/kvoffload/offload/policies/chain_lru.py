@@ -106,11 +106,21 @@ class ChainLRUPolicy(CachePolicy):
 
     def access(self, keys: Sequence[OffloadKey]) -> None:
         nodes, mru = self._nodes, self._mru
-        for key in self.chain_order(keys):
+        for key in keys[::-1]:  # chain_order, inlined with the moves: the hot path
             node = nodes[key]
-            if node.older is not None and node.newer is not mru:
-                self._unlink(node)
-                self._link_behind(node, mru)
+            older = node.older
+            if older is not None:
+                newer = node.newer
+                if newer is not mru:
+                    # Unlinked, then linked just less recent than the MRU sentinel
+                    # (the linked count does not change).
+                    older.newer = newer
+                    newer.older = older  # type: ignore[union-attr]
+                    last = mru.older
+                    node.older = last
+                    node.newer = mru
+                    last.newer = node  # type: ignore[union-attr]
+                    mru.older = node
 
     def pin(self, keys: Sequence[OffloadKey]) -> None:
         nodes = self._nodes
