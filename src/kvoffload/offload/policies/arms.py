@@ -219,6 +219,21 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
         else:
             super().discard(key)
 
+    def insert(self, keys: Sequence[OffloadKey]) -> None:
+        """``SecondSightPolicy.insert`` (admitted keys to the LRU, the rest to the rejects,
+        tail first), asking the LRU's node map directly: no method call per key."""
+        admit = self._admit
+        kept = list(filter(admit.__contains__, keys))
+        if kept:
+            admit.difference_update(kept)
+            self.inner.insert(kept)
+        if len(kept) < len(keys):
+            rejects = self.rejects
+            nodes = self.inner._nodes  # type: ignore[attr-defined]
+            for k in keys[::-1]:
+                if k not in nodes:
+                    rejects[k] = None
+
     def observe(self, keys: Sequence[OffloadKey]) -> None:
         """Show the shadows reads of keys this policy does not hold (a wrapper holds them)."""
         self._observe(keys)
