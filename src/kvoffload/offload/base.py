@@ -336,9 +336,14 @@ def reassign_slots(
     hold at least ``len(new)`` slots. Returns (the new keys' slots, the
     victims' slots), each in key order; ``free`` is popped from its end.
     """
-    victim_slots = [slot_of.pop(v) for v in victims]
+    victim_slots = list(map(slot_of.pop, victims))
     free.extend(victim_slots)
-    slots = [free.pop() for _ in new]
-    for key, slot in zip(new, slots):
-        slot_of[key] = slot
+    cut = len(free) - len(new)
+    if cut < 0:
+        raise ValueError(f"{len(new)} new keys but only {len(free)} free slots")
+    # The slots free.pop() would give, in that order, without a Python loop per key.
+    slots = free[cut:]
+    slots.reverse()
+    del free[cut:]
+    slot_of.update(zip(new, slots))
     return slots, victim_slots

@@ -25,29 +25,13 @@ from kvoffload.offload.base import (
     OffloadKey,
     PrepareStoreOutput,
     finish_stores,
+    reassign_slots,
     release_pins,
 )
 from kvoffload.offload.policies.base import CachePolicy
 from kvoffload.offload.policies.registry import make_policy
 
 _drain = deque(maxlen=0).extend  # runs a map for its effects at C speed
-
-
-def _reassign_slots(
-    slot_of: dict[OffloadKey, int],
-    free: list[int],
-    victims: list[OffloadKey],
-    new: list[OffloadKey],
-) -> tuple[list[int], list[int]]:
-    """``base.reassign_slots`` (same slots, same order) without a Python loop per key."""
-    victim_slots = list(map(slot_of.pop, victims))
-    free.extend(victim_slots)
-    cut = len(free) - len(new)
-    slots = free[cut:]
-    slots.reverse()  # free.pop() order: from the end
-    del free[cut:]
-    slot_of.update(zip(new, slots))
-    return slots, victim_slots
 
 
 #: Queue hints (blocks waiting requests need are kept, farthest need evicted first) around
@@ -210,7 +194,7 @@ class CPUOffloadingManager(OffloadingManager):
                 policy.unpin(protect)
         else:
             policy.evict(0, new)
-        slots, victim_slots = _reassign_slots(slot_of, self._free, victims, new)
+        slots, victim_slots = reassign_slots(slot_of, self._free, victims, new)
         if victims and self.enable_events:
             self._events.append(OffloadingEvent(victims, self.medium, removed=True))
         self._storing.update(new)
