@@ -131,34 +131,33 @@ class KVOffloadDiskTier(KVOffloadTierBase):
             offloading_spec, primary_kv_view, tier_type, backpressure_detector, config, own
         )
         assert config.disk_dir is not None
-        self.slot_bytes = round_up(self.row_bytes, ALIGN)
-        parallel = offloading_spec.config.parallel
-        replicas = max(1, int(parallel.data_parallel_size))
-        # Data-parallel replicas each run a scheduler, so each owns a share of the budget
-        # (disk_bytes bounds the directory, not each replica) in a store of its own.
-        self.capacity_blocks = config.disk_slots(self.slot_bytes) // replicas
-        if self.capacity_blocks < 1:
-            super().shutdown()
-            raise TierConfigError(
-                f"secondary_tiers[{tier_type}]['disk_bytes']: the budget split over "
-                f"{replicas} data-parallel replicas is smaller than one block "
-                f"({self.slot_bytes} bytes) each"
-            )
-        self.directory = namespace_dir(
-            config.disk_dir,
-            offloading_spec.config.model.name,
-            self.identity,
-            int(parallel.data_parallel_index),
-            replicas,
-        )
-        hash_fn = parse_fingerprint(self.identity).get("hash_fn", "")
+        # From here a failure must stop the I/O threads the base class started.
         try:
+            self.slot_bytes = round_up(self.row_bytes, ALIGN)
+            parallel = offloading_spec.config.parallel
+            replicas = max(1, int(parallel.data_parallel_size))
+            # Data-parallel replicas each run a scheduler, so each owns a share of the
+            # budget (disk_bytes bounds the directory, not each replica) in its own store.
+            self.capacity_blocks = config.disk_slots(self.slot_bytes) // replicas
+            if self.capacity_blocks < 1:
+                raise TierConfigError(
+                    f"secondary_tiers[{tier_type}]['disk_bytes']: the budget split over "
+                    f"{replicas} data-parallel replicas is smaller than one block "
+                    f"({self.slot_bytes} bytes) each"
+                )
+            self.directory = namespace_dir(
+                config.disk_dir,
+                offloading_spec.config.model.name,
+                self.identity,
+                int(parallel.data_parallel_index),
+                replicas,
+            )
             self.store = DiskBlockStore(
                 self.directory,
                 self.row_bytes,
                 self.capacity_blocks,
                 self.identity,
-                hash_fn=hash_fn,
+                hash_fn=parse_fingerprint(self.identity).get("hash_fn", ""),
                 direct_io=config.direct_io,
                 num_io_threads=4,
                 durable=durable,
