@@ -16,6 +16,7 @@ from tests.vllm_required import need_vllm
 
 need_vllm()
 
+import threading  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -144,12 +145,24 @@ def test_data_parallel_replicas_share_a_disk_dir_and_split_its_budget(tmp_path: 
             rig.close()
 
 
-def test_a_budget_too_small_for_each_replica_is_one_line(tmp_path: Path) -> None:
+def _disk_io_threads() -> int:
+    return sum(t.name.startswith("kvoffload-KVOffloadDiskTier-io") for t in threading.enumerate())
+
+
+@pytest.mark.parametrize(
+    ("disk_bytes", "replicas", "why"),
+    [("96KiB", 4, "data-parallel replicas"), ("4KiB", 1, "smaller than one block")],
+)
+def test_a_budget_too_small_is_one_line_and_leaves_no_thread(
+    tmp_path: Path, disk_bytes: str, replicas: int, why: str
+) -> None:
     from kvoffload.tiers.config import TierConfigError
 
-    with pytest.raises(TierConfigError, match="data-parallel replicas") as info:
-        TierRig([disk_tier(tmp_path / "kv", "96KiB")], data_parallel=(0, 4))
+    before = _disk_io_threads()
+    with pytest.raises(TierConfigError, match=why) as info:
+        TierRig([disk_tier(tmp_path / "kv", disk_bytes)], data_parallel=(0, replicas))
     assert "\n" not in str(info.value)
+    assert _disk_io_threads() == before
 
 
 def test_prefix_is_served_from_redis_on_both_ranks(redis_server: RedisServer, ranks: Ranks) -> None:
