@@ -106,6 +106,28 @@ def test_chain_lru_places_a_hinted_continuation_behind_its_parent() -> None:
     assert p.lru_order()[-1] == key(6)
 
 
+def test_chain_lru_keeps_the_block_a_store_continues() -> None:
+    # The store of 3, 4 continues 2; a run of victims reaching past 2 skips it (else the
+    # stored chain ending in 2 and the new keys behind it would both be unreachable).
+    p = ChainLRUPolicy(5)
+    one_by_one(p, 2, 8, 9)
+    p.hint_parent(key(3), key(2))
+    assert p.evict(2, keys(3, 4)) == keys(8, 9)
+    p.insert(keys(3, 4))
+    assert p.lru_order() == keys(4, 3, 2)
+    # Without the hint the run is cut as it comes.
+    q = ChainLRUPolicy(5)
+    one_by_one(q, 2, 8, 9)
+    assert q.evict(2, keys(3, 4)) == keys(2, 8)
+    # As the run's last victim the parent goes: keeping it would take the block newer
+    # than it (after a lookup, its predecessor in the chain: 1 here).
+    r = ChainLRUPolicy(5)
+    one_by_one(r, 8, 2, 1)
+    r.hint_parent(key(3), key(2))
+    assert r.evict(2, keys(3)) == keys(8, 2)
+    assert r.lru_order() == keys(1)
+
+
 def test_chain_lru_hints_are_bounded() -> None:
     p = ChainLRUPolicy(2)
     for i in range(10):

@@ -133,23 +133,49 @@ class ChainLRUPolicy(CachePolicy):
             self._link_behind(nodes[key], mru)
 
     def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
-        # The n least recent nodes are cut out as one run of the list.
+        # The n least recent nodes are cut out as one run of the list, except the block
+        # this store continues (the hinted parent of its first key) when the run reaches
+        # past it: evicting it would strand the chain's stored head and its new tail
+        # alike (a lookup stops at the gap); the new keys are linked right behind it.
+        # As the run's last victim it goes: keeping it would take the block just newer
+        # than it instead, in a chain just read its own predecessor.
         victims: list[OffloadKey] = []
         nodes = self._nodes
         head = self._lru
+        keep = self._continued(incoming) if n and self._linked > n else None
+        kept = False
         node = head.newer
-        for _ in range(n):
+        while len(victims) < n:
             assert node is not None and node.key is not None, "nothing evictable"
+            if node is keep and len(victims) < n - 1:
+                kept = True
+                node = node.newer
+                continue
             victims.append(node.key)
             del nodes[node.key]
             nxt = node.newer
             node.older = node.newer = None
             node = nxt
         if n:
+            if kept:  # the parent was in the run: it survives as the least recent
+                assert keep is not None
+                keep.newer = node
+                node.older = keep  # type: ignore[union-attr]
+                node = keep
             head.newer = node
             node.older = head  # type: ignore[union-attr]
             self._linked -= n
         return victims
+
+    def _continued(self, incoming: Sequence[OffloadKey]) -> _Node | None:
+        """The linked node of the block ``incoming`` continues (its first key's hinted parent)."""
+        if not incoming or not self._hints:
+            return None
+        parent = self._hints.get(incoming[0])
+        if parent is None:
+            return None
+        node = self._nodes.get(parent)
+        return node if node is not None and node.older is not None else None
 
     def discard(self, key: OffloadKey) -> None:
         """Forget resident ``key`` (pinned or not) without counting it as evicted."""
