@@ -106,26 +106,27 @@ def test_chain_lru_places_a_hinted_continuation_behind_its_parent() -> None:
     assert p.lru_order()[-1] == key(6)
 
 
-def test_chain_lru_keeps_the_block_a_store_continues() -> None:
-    # The store of 3, 4 continues 2; a run of victims reaching past 2 skips it (else the
-    # stored chain ending in 2 and the new keys behind it would both be unreachable).
-    p = ChainLRUPolicy(5)
-    one_by_one(p, 2, 8, 9)
-    p.hint_parent(key(3), key(2))
-    assert p.evict(2, keys(3, 4)) == keys(8, 9)
-    p.insert(keys(3, 4))
-    assert p.lru_order() == keys(4, 3, 2)
-    # Without the hint the run is cut as it comes.
-    q = ChainLRUPolicy(5)
-    one_by_one(q, 2, 8, 9)
-    assert q.evict(2, keys(3, 4)) == keys(2, 8)
-    # As the run's last victim the parent goes: keeping it would take the block newer
-    # than it (after a lookup, its predecessor in the chain: 1 here).
-    r = ChainLRUPolicy(5)
-    one_by_one(r, 8, 2, 1)
-    r.hint_parent(key(3), key(2))
-    assert r.evict(2, keys(3)) == keys(8, 2)
-    assert r.lru_order() == keys(1)
+def test_chain_lru_store_that_evicts_its_parent_goes_behind_the_chain_left() -> None:
+    # Chain 1, 2, 3 read again (head newest), an older key 9; the store of 4..7 continues
+    # 3 and needs two slots: the run takes 9 and 3 (the chain's tail first). The new keys
+    # then go behind 2, the chain's last block left, not to the recent end (where the
+    # chain's stored head 1, 2 would be the next victims, ahead of its new tail).
+    p = ChainLRUPolicy(6)
+    one_by_one(p, 9)
+    p.insert(keys(1, 2, 3))
+    p.access(keys(1, 2, 3))
+    p.hint_parent(key(4), key(3))
+    assert p.evict(2, keys(4, 5, 6, 7)) == keys(9, 3)
+    p.insert(keys(4, 5, 6, 7))
+    assert p.lru_order() == keys(7, 6, 5, 4, 2, 1)
+    # A parent the run leaves is the anchor, as always.
+    q = ChainLRUPolicy(6)
+    one_by_one(q, 8, 9)
+    q.insert(keys(1, 2, 3))
+    q.hint_parent(key(4), key(3))
+    assert q.evict(1, keys(4)) == keys(8)
+    q.insert(keys(4))
+    assert q.lru_order() == keys(9, 4, 3, 2, 1)
 
 
 def test_chain_lru_hints_are_bounded() -> None:

@@ -133,38 +133,30 @@ class ChainLRUPolicy(CachePolicy):
             self._link_behind(nodes[key], mru)
 
     def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
-        # The n least recent nodes are cut out as one run of the list, except the block
-        # this store continues (the hinted parent of its first key) when the run reaches
-        # past it: evicting it would strand the chain's stored head and its new tail
-        # alike (a lookup stops at the gap); the new keys are linked right behind it.
-        # As the run's last victim it goes: keeping it would take the block just newer
-        # than it instead, in a chain just read its own predecessor.
+        # The n least recent nodes are cut out as one run of the list. When the run takes
+        # the block this store continues (the hinted parent of its first key: a store that
+        # needs nearly the whole tier eats into its own chain, whose read blocks are the
+        # newest, tail first), the new keys are anchored behind the first block left, the
+        # chain's last stored one after a lookup: else they would go to the recent end,
+        # and the chain's stored head would be the next to go, ahead of its new tail.
         victims: list[OffloadKey] = []
         nodes = self._nodes
         head = self._lru
-        keep = self._continued(incoming) if n and self._linked > n else None
-        kept = False
+        parent = self._continued(incoming) if n else None
         node = head.newer
-        while len(victims) < n:
+        for _ in range(n):
             assert node is not None and node.key is not None, "nothing evictable"
-            if node is keep and len(victims) < n - 1:
-                kept = True
-                node = node.newer
-                continue
             victims.append(node.key)
             del nodes[node.key]
             nxt = node.newer
             node.older = node.newer = None
             node = nxt
         if n:
-            if kept:  # the parent was in the run: it survives as the least recent
-                assert keep is not None
-                keep.newer = node
-                node.older = keep  # type: ignore[union-attr]
-                node = keep
             head.newer = node
             node.older = head  # type: ignore[union-attr]
             self._linked -= n
+            if parent is not None and parent.older is None and node.key is not None:
+                self._hints[incoming[0]] = node.key
         return victims
 
     def _continued(self, incoming: Sequence[OffloadKey]) -> _Node | None:
