@@ -130,6 +130,11 @@ class CachePolicy(ABC):
     def num_evictable(self) -> int:
         """Resident keys that are not pinned."""
 
+    def room(self, in_flight: int = 0) -> int:
+        """Slots a store could get now: free ones (less ``in_flight`` stores' keys, which
+        hold slots but are not resident yet) and evictable keys."""
+        return self.capacity - len(self) - in_flight + self.num_evictable()
+
     @abstractmethod
     def insert(self, keys: Sequence[OffloadKey]) -> None: ...
 

@@ -310,10 +310,6 @@ class PolicyDuel(CachePolicy):
 
     # -- the policy interface ------------------------------------------------------------
 
-    def room(self, in_flight: int = 0) -> int:
-        """Slots a store could get now: free ones and evictable keys (O(1))."""
-        return self.capacity - len(self) - in_flight + self.num_evictable()
-
     def admit(self, keys: Sequence[OffloadKey], in_flight: int = 0) -> list[bool] | None:
         self._clock += len(keys)
         if not self.on_arc:

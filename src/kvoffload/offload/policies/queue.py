@@ -229,8 +229,7 @@ class QueueAwarePolicy(CachePolicy):
             return flags
         flags = [f or k in wants for k, f in zip(keys, flags)]
         # Keys forced in for the queue may not fit: the store would be refused whole.
-        room = self.capacity - len(self) - in_flight + self.num_evictable()
-        return fit_room(flags, len(keys), room, self.capacity)
+        return fit_room(flags, len(keys), self.room(in_flight), self.capacity)
 
     def insert(self, keys: Sequence[OffloadKey]) -> None:
         self._resident.update(keys)
