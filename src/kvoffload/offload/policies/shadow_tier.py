@@ -68,8 +68,8 @@ class ShadowTier:
     def run(self, keys: Sequence[OffloadKey]) -> int:
         """Replay one call's keys (head first); how many count as hits."""
         arc = self.arc
-        held = arc.where if arc is not None else self.lru
-        rejects = self.rejects
+        # An ARC shadow has no pins: its resident keys are T1's and T2's.
+        held, rejects = (arc.t1, arc.t2) if arc is not None else (self.lru, self.rejects)
         present: list[OffloadKey] = []
         missing: list[OffloadKey] = []
         hits = 0
