@@ -281,7 +281,6 @@ def bench(
             policy, threshold = offload_vllm.ROWS[name]
             hits, ops, seconds, refused = offload_vllm.replay(trace, policy, cap, threshold)
             results.append(ReplayResult(name, cap, blocks, hits, ops, seconds, refused))
-        base_ops = next((r.ops_per_s for r in results if r.policy == "vllm:lru"), None)
         vllm_ops = {r.policy: r.ops_per_s for r in results if r.policy.startswith("vllm:")}
         vllm_best = max((r.hit_rate for r in results if r.policy.startswith("vllm:")), default=None)
         for r in results:
@@ -290,7 +289,7 @@ def bench(
                 label=label,
                 hit_rate=r.hit_rate,
                 ops_per_s=r.ops_per_s,
-                ops_vs_vllm_lru=(r.ops_per_s / base_ops) if base_ops else None,
+                ops_vs_vllm_lru=_ratio(r.ops_per_s, vllm_ops.get("vllm:lru")),
                 # Against vLLM's own policy of the same name (arc vs vllm:arc), where it has one.
                 ops_vs_vllm_same=_ratio(r.ops_per_s, vllm_ops.get(f"vllm:{r.policy}")),
                 of_belady=(r.hit_rate / belady) if belady else None,
