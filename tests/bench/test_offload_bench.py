@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload.bench import offload_vllm
-from kvoffload.bench.mooncake import MooncakeRequest
+from kvoffload.bench.mooncake import MooncakeRequest, full_blocks
 from kvoffload.bench.offload import (
     belady_hit_rate,
     bench,
@@ -246,3 +246,24 @@ def test_cli_lookahead_and_loop(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*args, "--policies", "lru", "--capacity", "50%"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "Full blocks only" in out and "No queue hints" in out
+
+
+def test_conversation_kind_has_the_mooncake_conversation_shape() -> None:
+    reqs = generate("conversation", 3000, seed=2)
+    assert reqs == generate("conversation", 3000, seed=2)
+    assert all(r.timestamp % 3000 == 0 for r in reqs)  # the trace's 3 s clock
+    assert [r.timestamp for r in reqs] == sorted(r.timestamp for r in reqs)
+    assert {r.hash_ids[0] for r in reqs} == {reqs[0].hash_ids[0]}  # one system block
+    # Each request ends in a partial block that no full-block replay offers.
+    assert all(len(full_blocks(r, 512)) == len(r.hash_ids) - 1 for r in reqs)
+    partials = [r.hash_ids[-1] for r in reqs]
+    assert len(set(partials)) == len(reqs)
+    # A minority continues an earlier session: its prompt starts with the whole of an
+    # earlier full prompt longer than the system block.
+    prompts: set[tuple[int, ...]] = set()
+    continued = 0
+    for r in reqs:
+        full = tuple(full_blocks(r, 512))
+        continued += any(full[:n] in prompts for n in range(2, len(full) + 1))
+        prompts.add(full)
+    assert 0.2 * len(reqs) < continued < 0.5 * len(reqs)

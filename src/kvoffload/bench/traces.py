@@ -11,9 +11,13 @@ popularity over a few system prompts), ``agent`` (loops that re-send a long
 shared tool prompt plus a growing scratchpad), ``rag`` (a system prompt, one
 of a Zipf-popular corpus of documents, a one-off question), ``oneoff`` (long
 unique prompts behind a short shared head: a scan) and ``mixed`` (all four
-interleaved), and ``loop`` (a few prefixes sent again and again in turn:
+interleaved), ``loop`` (a few prefixes sent again and again in turn:
 a cyclic working set; replay it at ``LOOP_CAPACITY`` of its unique blocks and
-it is twice the tier). The same kind, size and seed always give the same trace.
+it is twice the tier) and ``conversation`` (shaped after the Mooncake FAST'25
+conversation trace: one shared system block, mostly one-turn sessions, and
+sessions whose next turn comes minutes later, on the trace's 3 s clock, each
+request ending in a partial block). The same kind, size and seed always give
+the same trace.
 
 Replays offer only a request's *full* blocks: a Mooncake request of
 ``input_length`` tokens has ``ceil(input_length / 512)`` ids, the last one
@@ -23,6 +27,7 @@ usually a partial block that an engine never hashes, stores or looks up, so
 
 from __future__ import annotations
 
+import heapq
 import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -32,7 +37,7 @@ import numpy as np
 from kvoffload.bench.mooncake import MooncakeRequest, full_blocks, read_mooncake_trace
 from kvoffload.offload import OffloadKey, make_offload_key
 
-KINDS = ("chat", "agent", "rag", "oneoff", "mixed", "loop")
+KINDS = ("chat", "agent", "rag", "oneoff", "mixed", "loop", "conversation")
 #: The capacity at which a ``loop`` trace's working set is twice the tier.
 LOOP_CAPACITY = "50%"
 
@@ -164,6 +169,44 @@ def _loop(rng: np.random.Generator, chains: _Chains, tag: str) -> Iterator[list[
         yield from prompts
 
 
+def _conversation(rng: np.random.Generator, num_requests: int) -> list[MooncakeRequest]:
+    # Shape measured on the Mooncake FAST'25 conversation trace: ~3.4 requests/s
+    # stamped on a 3 s clock, every prompt behind one shared system block, about a
+    # third of requests continuing an earlier session whose last turn came 20 s to
+    # 10 min before (median ~100 s); a turn adds a block or three, now and then a
+    # pasted document; first prompts are long-tailed (1 to ~180 blocks).
+    chains = _Chains()
+    new_per_ms, multi_share, p_continue = 2.4e-3, 0.22, 0.65
+    pending: list[tuple[float, int, list[object]]] = []  # (next turn at, seq, history)
+    out: list[MooncakeRequest] = []
+    t_new = float(rng.exponential(1 / new_per_ms))
+    seq = 0
+    while len(out) < num_requests:
+        seq += 1
+        if pending and pending[0][0] <= t_new:
+            t, _, hist = heapq.heappop(pending)
+            paste = rng.random() < 0.08
+            grow = int(rng.lognormal(np.log(15), 1.0)) if paste else int(rng.geometric(0.55))
+            hist = hist + [("turn", seq, i) for i in range(max(grow, 1))]
+            go_on = rng.random() < p_continue and len(hist) < 250
+        else:
+            t = t_new
+            t_new += float(rng.exponential(1 / new_per_ms))
+            first = min(int(rng.lognormal(np.log(10), 1.2)), 180)
+            hist = [("sys",)] + [("first", seq, i) for i in range(first)]
+            go_on = rng.random() < multi_share
+        ids = chains.extend(-1, hist)
+        partial = int(rng.integers(1, 512))
+        ids.append(chains.extend(ids[-1], [("partial", seq)])[0])
+        stamp = 3000.0 * (t // 3000.0)
+        tokens = 512 * len(hist) + partial
+        out.append(MooncakeRequest(stamp, tokens, int(rng.integers(1, 900)), ids))
+        if go_on:
+            gap = float(np.clip(rng.lognormal(np.log(100e3), 0.9), 6e3, 1.2e6))
+            heapq.heappush(pending, (t + gap, seq, hist))
+    return out
+
+
 _GENERATORS = {
     "chat": _chat,
     "agent": _agent,
@@ -181,6 +224,8 @@ def generate(kind: str, num_requests: int, seed: int = 0) -> list[MooncakeReques
     if num_requests < 1:
         raise ValueError(f"num_requests must be positive, got {num_requests}")
     rng = np.random.default_rng(seed)
+    if kind == "conversation":
+        return _conversation(rng, num_requests)
     chains = _Chains()
     names = list(_MIXED) if kind == "mixed" else [kind]
     streams = [_GENERATORS[k](rng, chains, k) for k in names]
