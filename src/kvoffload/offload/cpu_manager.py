@@ -207,15 +207,17 @@ class CPUOffloadingManager(OffloadingManager):
         if type(self.policy).admit is CachePolicy.admit:
             return None  # the policy stores every key: skip the scan for new keys
         slot_of = self._slot_of
-        new = [k for k in dict.fromkeys(keys) if k not in slot_of]
+        unique = list(dict.fromkeys(keys))
+        whole = len(unique) == len(keys) and slot_of.keys().isdisjoint(unique)
+        new = unique if whole else [k for k in unique if k not in slot_of]
         if not new:
             return None
         flags = self.policy.admit(new, len(self._storing))
-        if flags is None:
+        if flags is None or all(flags):
             return None
+        if whole:  # the usual offer: distinct keys, none held; the flags are the answer
+            return list(flags)
         declined = {k for k, f in zip(new, flags) if not f}
-        if not declined:
-            return None
         return [k not in declined for k in keys]
 
     def _hint_continuations(self, keys: list[OffloadKey]) -> None:

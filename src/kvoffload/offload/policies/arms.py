@@ -297,8 +297,7 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
         if n > self._max_store:
             self._max_store = min(n, self.capacity // 2)
         history, mode = self.history, self.mode
-        fresh = dict.fromkeys(keys)
-        if mode == SECOND and len(fresh) < n:
+        if mode == SECOND and len(set(keys)) < n:
             # A key repeated within the call is a second sighting at its repeat.
             decided = []
             for k in keys:

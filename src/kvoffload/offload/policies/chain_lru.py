@@ -124,13 +124,24 @@ class ChainLRUPolicy(CachePolicy):
 
     def pin(self, keys: Sequence[OffloadKey]) -> None:
         nodes = self._nodes
-        for key in keys:
-            self._unlink(nodes[key])
+        for key in keys:  # _unlink, inlined: every load pins its keys
+            node = nodes[key]
+            older, newer = node.older, node.newer
+            older.newer = newer  # type: ignore[union-attr]
+            newer.older = older  # type: ignore[union-attr]
+            node.older = node.newer = None
+        self._linked -= len(keys)
 
     def unpin(self, keys: Sequence[OffloadKey]) -> None:
         nodes, mru = self._nodes, self._mru
-        for key in self.chain_order(keys):
-            self._link_behind(nodes[key], mru)
+        for key in keys[::-1]:  # chain order, with _link_behind(node, mru) inlined
+            node = nodes[key]
+            last = mru.older
+            node.older = last
+            node.newer = mru
+            last.newer = node  # type: ignore[union-attr]
+            mru.older = node
+        self._linked += len(keys)
 
     def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
         # The n least recent nodes are cut out as one run of the list. When the run takes

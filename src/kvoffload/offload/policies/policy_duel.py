@@ -91,6 +91,7 @@ class ArmsDuel(ArmsChainLRUPolicy):
     min_shadow: ClassVar[int] = 32  # smaller shadows than chain_arms's: four of them run
     arc_margin: ClassVar[float] = 0.01  # ARC's shadow must lead the best LRU arm by this share
     all_margin: ClassVar[float] = 0.0  # what ALL must lead by (``switch_margin`` for the others)
+    filter_margin: ClassVar[float] = 0.0  # ... plus this share of the current arm's score
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
@@ -196,7 +197,10 @@ class ArmsDuel(ArmsChainLRUPolicy):
         # Leaving a filter for ALL is cheap (nothing kept is lost) and waiting costs a
         # chat its next turns' hits, so ALL needs only to lead; a filter, which keeps
         # whatever ALL let in and is slow to undo, needs the margin.
-        margin = self.all_margin if best == ALL else self.switch_margin
+        if best == ALL:
+            margin = self.all_margin
+        else:
+            margin = self.switch_margin + self.filter_margin * eff[mode]
         if best != mode and eff[best] > eff[mode] + margin:
             if mode == ALL:
                 self._demote_fresh()
