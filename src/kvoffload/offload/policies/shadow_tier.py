@@ -25,13 +25,20 @@ at most ``capacity`` keys resident. Deterministic.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from itertools import filterfalse, repeat, starmap
 
 from kvoffload.offload.base import OffloadKey
 from kvoffload.offload.policies.arc_arm import ArcArm
 
 ALL, SECOND, BIP, ARC = 0, 1, 2, 3
+_OLDEST = (False,)  # popitem's argument: the least recent item
+
+
+def _consume(calls: Iterable[object]) -> None:
+    """Run an iterator of calls to its end in C (a zero-length deque keeps nothing)."""
+    deque(calls, 0)
 
 
 class ShadowTier:
@@ -70,20 +77,22 @@ class ShadowTier:
         arc = self.arc
         # An ARC shadow has no pins: its resident keys are T1's and T2's.
         held, rejects = (arc.t1, arc.t2) if arc is not None else (self.lru, self.rejects)
-        present: list[OffloadKey] = []
-        missing: list[OffloadKey] = []
-        hits = 0
-        counting = not self.broken
-        for key in keys:
-            if key in held or key in rejects:
-                present.append(key)
-                if counting:
-                    hits += 1
-            else:
-                missing.append(key)
-                counting = False
+        # Split into present and missing keys, as of before the call (every test of
+        # membership comes before any change): C-level passes, no per-key bytecode.
+        present: Sequence[OffloadKey]
+        if held.keys().isdisjoint(keys) and (not rejects or rejects.keys().isdisjoint(keys)):
+            present, missing = (), list(keys)  # the usual offer: all new to the shadow
+        else:
+            missing = list(filterfalse(held.__contains__, keys))
+            if rejects and missing:
+                missing = list(filterfalse(rejects.__contains__, missing))
+            present = list(filterfalse(set(missing).__contains__, keys)) if missing else keys
+        # Hits count up to the request's first miss: that miss's first position.
         if missing:
+            hits = 0 if self.broken else keys.index(missing[0])
             self.broken = True
+        else:
+            hits = 0 if self.broken else len(keys)
         if arc is not None:
             if present:
                 arc.access(present)
@@ -93,24 +102,30 @@ class ShadowTier:
                 arc.evict(max(0, over), new)
                 arc.insert(new)
             return hits
-        lru, rejects = self.lru, self.rejects
-        for key in reversed(present):
-            if rejects and rejects.pop(key, rejects) is None:
-                lru[key] = None  # a reject read again is promoted: its reuse proved it
-            else:
-                lru.move_to_end(key)
+        lru = self.lru
+        if present:
+            # Each read key ends most recent, tail first (head newest); a reject read
+            # again is promoted (its reuse proved it), so it leaves the FIFO first.
+            if rejects:
+                up = list(filterfalse(lru.__contains__, present))
+                if up:
+                    _consume(map(rejects.pop, up, repeat(None)))
+                    for key in up:
+                        lru[key] = None
+            _consume(map(lru.move_to_end, reversed(present)))
         if not missing:
             return hits
-        offered = missing[: self.capacity]
-        new = self._admitted(offered)
         cap = self.capacity
+        offered = missing[:cap]
+        new = self._admitted(offered)
         if new:
             over = len(lru) + len(rejects) + len(new) - cap
-            while over > 0 and rejects:
-                rejects.popitem(last=False)
-                over -= 1
-            for _ in range(over):
-                lru.popitem(last=False)
+            if over > 0:
+                r = min(over, len(rejects))
+                if r:
+                    _consume(starmap(rejects.popitem, repeat(_OLDEST, r)))
+                if over > r:
+                    _consume(starmap(lru.popitem, repeat(_OLDEST, over - r)))
             for key in reversed(new):
                 lru[key] = None
         if len(new) < len(offered):
@@ -121,8 +136,8 @@ class ShadowTier:
             else:  # all declined (BIP's usual case)
                 declined = offered[: cap - len(lru)]
             over = len(lru) + len(rejects) + len(declined) - cap
-            for _ in range(max(0, over)):
-                rejects.popitem(last=False)
+            if over > 0:
+                _consume(starmap(rejects.popitem, repeat(_OLDEST, over)))
             for key in reversed(declined):
                 rejects[key] = None
         return hits
