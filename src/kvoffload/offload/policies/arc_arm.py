@@ -39,6 +39,10 @@ class ArcArm(ARCPolicy):
         out.update(self._pinned)
         return out
 
+    def is_pinned(self, key: OffloadKey) -> bool:
+        """Whether resident ``key`` is pinned."""
+        return key in self._pinned
+
     def discard(self, key: OffloadKey) -> None:
         """Forget resident ``key`` (pinned or not) without remembering it as a ghost."""
         label = self._pinned.pop(key, None)

@@ -213,6 +213,12 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
     def __contains__(self, key: object) -> bool:
         return key in self._pinned_rejects or super().__contains__(key)
 
+    def is_pinned(self, key: OffloadKey) -> bool:
+        """Whether resident ``key`` is pinned (rejects never are, unless held aside)."""
+        if key in self._pinned_rejects:
+            return True
+        return key not in self.rejects and self.inner.is_pinned(key)  # type: ignore[attr-defined]
+
     def discard(self, key: OffloadKey) -> None:
         if key in self._pinned_rejects:
             self._pinned_rejects.discard(key)

@@ -186,6 +186,10 @@ class ChainLRUPolicy(CachePolicy):
         if node.older is not None:
             self._unlink(node)
 
+    def is_pinned(self, key: OffloadKey) -> bool:
+        """Whether resident ``key`` is pinned (a pinned node is unlinked)."""
+        return self._nodes[key].older is None
+
     def pinned_keys(self) -> list[OffloadKey]:
         """Resident keys that are pinned (O(n): for switching policies, not the hot path)."""
         return [k for k, node in self._nodes.items() if node.older is None]

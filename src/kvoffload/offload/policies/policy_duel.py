@@ -344,6 +344,10 @@ class PolicyDuel(CachePolicy):
     def unpin(self, keys: Sequence[OffloadKey]) -> None:
         (self.arc if self.on_arc else self.lru).unpin(keys)
 
+    def is_pinned(self, key: OffloadKey) -> bool:
+        """Whether resident ``key`` is pinned, as the queue wrapper needs."""
+        return (self.arc if self.on_arc else self.lru).is_pinned(key)
+
     def discard(self, key: OffloadKey) -> None:
         """Forget resident ``key`` (pinned or not), as the queue wrapper needs."""
         (self.arc if self.on_arc else self.lru).discard(key)

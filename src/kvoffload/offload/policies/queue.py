@@ -28,10 +28,15 @@ an inner policy that orders everything else:
 Costs: each hint is O(keys of the request) amortised (a held key whose
 nearest need changes is marked dirty, and pushed on a heap only when a held
 key must be evicted; stale entries are dropped lazily and compacted against
-the pushes); without hints every operation is the inner policy's plus
-a constant. Nothing scans the resident keys. Invariants: the resident keys are
-the inner policy's; held and marked keys (disjoint) are pinned there, and so
-are the manager's pins of other keys; a held key has a waiting request;
+the pushes). Without hint state (no waiting request, no continue mark: the
+usual case, and every tier whose engine sends no hints) the wrapper is
+transparent: ``insert``, ``access``, ``pin``, ``unpin`` and ``hint_parent`` are
+the inner policy's own bound methods (set on the instance, dropped again when
+a hint arrives), and ``admit`` / ``evict`` pass straight through. Nothing scans
+the resident keys. Invariants: the resident keys are the inner policy's; held
+and marked keys (disjoint) are pinned there, and so are the manager's pins of
+other keys; ``_pins`` is the manager's pins among held and marked keys (so it
+is empty without hint state); a held key has a waiting request;
 ``num_evictable`` = the inner policy's + held and marked keys the manager has
 not pinned.
 """
@@ -47,10 +52,14 @@ from kvoffload.offload.base import OffloadKey
 from kvoffload.offload.policies.base import CachePolicy
 from kvoffload.offload.policies.policy_duel import PolicyDuel, fit_room
 
+#: What the wrapper hands straight to the inner policy while it holds no hint state.
+_FORWARDED = ("insert", "access", "pin", "unpin", "hint_parent")
+
 
 class QueueAwarePolicy(CachePolicy):
     """Queue and session hints around ``inner_cls`` (set by subclasses), which must have
-    ``discard(key)``: forget a resident key, pinned or not (a protected victim)."""
+    ``discard(key)``: forget a resident key, pinned or not (a protected victim), and
+    ``is_pinned(key)``: whether a resident key is pinned."""
 
     inner_cls: ClassVar[type[CachePolicy]]
     #: At most this share of the tier is kept out of the inner policy by continue marks.
@@ -72,10 +81,30 @@ class QueueAwarePolicy(CachePolicy):
         self._dirty: set[OffloadKey] = set()
         self._marks: OrderedDict[OffloadKey, None] = OrderedDict()  # continue marks, oldest first
         self._marked: OrderedDict[OffloadKey, None] = OrderedDict()  # resident, marked, outside
-        self._pins: set[OffloadKey] = set()  # manager pins of every resident key
-        self._resident: set[OffloadKey] = set()  # every resident key (cheaper than asking inner)
-        self._out_pinned = 0  # pinned keys among held + marked-out
+        self._pins: set[OffloadKey] = set()  # manager pins of held and marked keys
         self._max_marked = int(self.continue_share * capacity)
+        self._plain = False
+        self._sync()
+
+    def _sync(self) -> None:
+        """Forward to the inner policy while there is no hint state, stop when there is.
+
+        No waiting request and no continue mark leave nothing held or marked, so
+        ``insert`` / ``access`` / ``pin`` / ``unpin`` / ``hint_parent`` would only
+        pass through: they become the inner policy's bound methods on the instance
+        (one call frame and the wrapper's bookkeeping fewer per manager call)."""
+        plain = not self._reqs and not self._marks
+        if plain == self._plain:
+            return
+        self._plain = plain
+        attrs = self.__dict__
+        if plain:
+            inner = self.inner
+            for name in _FORWARDED:
+                attrs[name] = getattr(inner, name)
+        else:
+            for name in _FORWARDED:
+                del attrs[name]
 
     # -- introspection -------------------------------------------------------------------
 
@@ -83,10 +112,10 @@ class QueueAwarePolicy(CachePolicy):
         return len(self.inner)  # held and marked keys are in it, pinned
 
     def __contains__(self, key: object) -> bool:
-        return key in self._resident
+        return key in self.inner
 
     def num_evictable(self) -> int:
-        return self.inner.num_evictable() + len(self._held) + len(self._marked) - self._out_pinned
+        return self.inner.num_evictable() + len(self._held) + len(self._marked) - len(self._pins)
 
     def is_held(self, key: OffloadKey) -> bool:
         """Whether ``key`` is resident and protected for a waiting request."""
@@ -103,18 +132,24 @@ class QueueAwarePolicy(CachePolicy):
     # and out of that state; a protected victim is ``discard``-ed from the inner policy.
 
     def _shield(self, keys: list[OffloadKey]) -> None:
-        """Resident keys of the inner policy become held or marked."""
-        pins = self._pins
-        free = [k for k in keys if k not in pins]
-        self._out_pinned += len(keys) - len(free)
-        if free:
-            self.inner.pin(free)
+        """Ordinary resident keys of the inner policy become held or marked (the inner
+        policy's pins of ordinary keys are the manager's: those are counted)."""
+        is_pinned = self.inner.is_pinned  # type: ignore[attr-defined]
+        pinned = [k for k in keys if is_pinned(k)]
+        if pinned:
+            self._pins.update(pinned)
+            keys = [k for k in keys if k not in self._pins]
+        if keys:
+            self.inner.pin(keys)
 
     def _release(self, keys: list[OffloadKey]) -> None:
         """Held or marked resident keys become ordinary again, as just used (chain order)."""
         pins = self._pins
-        free = [k for k in keys if k not in pins]
-        self._out_pinned -= len(keys) - len(free)
+        if pins:
+            free = [k for k in keys if k not in pins]
+            pins.difference_update(keys)
+        else:
+            free = keys
         if free:
             self.inner.unpin(free)
 
@@ -144,7 +179,7 @@ class QueueAwarePolicy(CachePolicy):
         seq = self._seq
         self._seq += 1
         self._reqs[request_id] = (seq, uniq)
-        wants, held, marked, resident = self._wants, self._held, self._marked, self._resident
+        wants, held, marked, resident = self._wants, self._held, self._marked, self.inner
         dirty = self._dirty
         shield = []
         for pos, key in enumerate(uniq):
@@ -162,6 +197,7 @@ class QueueAwarePolicy(CachePolicy):
                 dirty.add(key)
         if shield:
             self._shield(shield)
+        self._sync()
 
     def hint_dequeued(self, request_id: str) -> None:
         entry = self._reqs.pop(request_id, None)
@@ -193,15 +229,16 @@ class QueueAwarePolicy(CachePolicy):
         if back:
             self._release(back)
         self._trim_marked()
+        self._sync()
 
     def hint_continues(self, keys: Sequence[OffloadKey]) -> None:
-        marks, marked, wants = self._marks, self._marked, self._wants
+        marks, marked, wants, resident = self._marks, self._marked, self._wants, self.inner
         for key in keys:
             marks[key] = None
             marks.move_to_end(key)
             if key in marked:
                 marked.move_to_end(key)
-            elif key not in wants and key in self._resident:
+            elif key not in wants and key in resident:
                 self._shield([key])
                 marked[key] = None
         while len(marks) > self.capacity:
@@ -209,6 +246,7 @@ class QueueAwarePolicy(CachePolicy):
             if marked.pop(old, marked) is None:
                 self._release([old])
         self._trim_marked()
+        self._sync()
 
     def _trim_marked(self) -> None:
         marked = self._marked
@@ -231,8 +269,9 @@ class QueueAwarePolicy(CachePolicy):
         # Keys forced in for the queue may not fit: the store would be refused whole.
         return fit_room(flags, len(keys), self.room(in_flight), self.capacity)
 
+    # ``insert`` ... ``unpin`` below run only with hint state (see ``_sync``).
+
     def insert(self, keys: Sequence[OffloadKey]) -> None:
-        self._resident.update(keys)
         self.inner.insert(keys)
         wants, marks = self._wants, self._marks
         if not wants and not marks:
@@ -261,31 +300,34 @@ class QueueAwarePolicy(CachePolicy):
                     del marked[k]
                     self._marks.pop(k, None)
                 self._release(used)
+                self._sync()
 
     def pin(self, keys: Sequence[OffloadKey]) -> None:
-        pins, held, marked = self._pins, self._held, self._marked
-        pins.update(keys)
+        held, marked = self._held, self._marked
         if not held and not marked:
             self.inner.pin(keys)
             return
         rest = [k for k in keys if k not in held and k not in marked]
-        self._out_pinned += len(keys) - len(rest)
+        if len(rest) < len(keys):
+            self._pins.update(k for k in keys if k in held or k in marked)
         if rest:
             self.inner.pin(rest)
 
     def unpin(self, keys: Sequence[OffloadKey]) -> None:
-        pins, held, marked = self._pins, self._held, self._marked
-        pins.difference_update(keys)
+        held, marked = self._held, self._marked
         if not held and not marked:
             self.inner.unpin(keys)
             return
         rest = [k for k in keys if k not in held and k not in marked]
-        self._out_pinned -= len(keys) - len(rest)
+        if len(rest) < len(keys):
+            self._pins.difference_update(keys)
         if rest:
             self.inner.unpin(rest)
 
     def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
         inner = self.inner
+        if not self._held and not self._marked:
+            return inner.evict(n, incoming)  # nothing protected: n <= inner.num_evictable()
         take = min(n, inner.num_evictable())
         victims = inner.evict(take, incoming)
         if take < n:
@@ -294,7 +336,6 @@ class QueueAwarePolicy(CachePolicy):
             for key in protected:
                 discard(key)
             victims += protected
-        self._resident.difference_update(victims)
         return victims
 
     def _evict_protected(self, n: int) -> list[OffloadKey]:
