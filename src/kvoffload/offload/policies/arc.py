@@ -53,6 +53,9 @@ class ARCPolicy(CachePolicy):
     def num_evictable(self) -> int:
         return len(self.t1) + len(self.t2)
 
+    def room(self, in_flight: int = 0) -> int:
+        return self.capacity - len(self._pinned) - in_flight  # the unpinned cancel out
+
     def _trim_ghosts(self) -> None:
         c = self.capacity
         b1, b2 = self.b1, self.b2

@@ -299,6 +299,10 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
         if not keys:
             return None
         self._observe(keys)
+        return self._decide(keys, in_flight)
+
+    def _decide(self, keys: Sequence[OffloadKey], in_flight: int) -> list[bool]:
+        """``admit``'s answer for non-empty ``keys`` the shadows have just seen."""
         n = len(keys)
         if n > self._max_store:
             self._max_store = min(n, self.capacity // 2)

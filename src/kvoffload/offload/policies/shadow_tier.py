@@ -26,7 +26,7 @@ at most ``capacity`` keys resident. Deterministic.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import filterfalse, repeat, starmap
 
 from kvoffload.offload.base import OffloadKey
@@ -54,6 +54,7 @@ class ShadowTier:
         "mode",
         "rejects",
         "seen",
+        "step",
         "stores",
     )
 
@@ -68,22 +69,83 @@ class ShadowTier:
         self.seen: OrderedDict[OffloadKey, None] = OrderedDict()  # SECOND's offers, oldest first
         self.stores = 0  # BIP's clock
         self.broken = False  # this request's reads already missed
+        self.step: Callable[[Sequence[OffloadKey]], int] = (
+            self._run_all if mode == ALL else self._run_arc if mode == ARC else self._run_lru
+        )
 
     def __len__(self) -> int:
         return len(self.arc) if self.arc is not None else len(self.lru) + len(self.rejects)
 
     def run(self, keys: Sequence[OffloadKey]) -> int:
         """Replay one call's keys (head first); how many count as hits."""
-        arc = self.arc
-        # An ARC shadow has no pins: its resident keys are T1's and T2's.
-        held, rejects = (arc.t1, arc.t2) if arc is not None else (self.lru, self.rejects)
-        # Split into present and missing keys, as of before the call (every test of
-        # membership comes before any change): C-level passes, no per-key bytecode.
-        present: Sequence[OffloadKey]
-        if held.keys().isdisjoint(keys) and (not rejects or rejects.keys().isdisjoint(keys)):
-            present, missing = (), list(keys)  # the usual offer: all new to the shadow
+        return self.step(keys) if keys else 0
+
+    # ``step`` is one of the three below, chosen by the arm: each takes a non-empty call.
+    # Every test of membership comes before any change (present / missing are as of
+    # before the call), done by C-level passes; a call whose keys are all new to the
+    # shadow (the usual offer) is told by one ``isdisjoint``.
+
+    def _run_all(self, keys: Sequence[OffloadKey]) -> int:
+        """ALL: LRU that admits every key (it never has rejects)."""
+        lru = self.lru
+        if lru.keys().isdisjoint(keys):
+            hits = 0
+            missing: Sequence[OffloadKey] = keys
         else:
-            missing = list(filterfalse(held.__contains__, keys))
+            missing = list(filterfalse(lru.__contains__, keys))
+            if missing:
+                hits = 0 if self.broken else keys.index(missing[0])  # up to the first miss
+                _consume(map(lru.move_to_end, reversed([k for k in keys if k in lru])))
+            else:
+                hits = 0 if self.broken else len(keys)
+                _consume(map(lru.move_to_end, reversed(keys)))  # head most recent
+                return hits
+        self.broken = True
+        cap = self.capacity
+        offered = missing[:cap]
+        over = len(lru) + len(offered) - cap
+        if over > 0:
+            _consume(starmap(lru.popitem, repeat(_OLDEST, over)))
+        for key in reversed(offered):
+            lru[key] = None
+        return hits
+
+    def _run_arc(self, keys: Sequence[OffloadKey]) -> int:
+        """ARC (``ArcArm``, no pins: its resident keys are T1's and T2's)."""
+        arc = self.arc
+        assert arc is not None
+        t1, t2 = arc.t1, arc.t2
+        present: Sequence[OffloadKey]
+        if t1.keys().isdisjoint(keys) and t2.keys().isdisjoint(keys):
+            present, missing = (), keys
+        else:
+            missing = list(filterfalse(t1.__contains__, keys))
+            if missing:
+                missing = list(filterfalse(t2.__contains__, missing))
+            present = list(filterfalse(set(missing).__contains__, keys)) if missing else keys
+        if missing:
+            hits = 0 if self.broken else keys.index(missing[0])
+            self.broken = True
+        else:
+            hits = 0 if self.broken else len(keys)
+        if present:
+            arc.access(present)
+        if missing:
+            cap = self.capacity
+            new = missing[:cap]
+            over = len(t1) + len(t2) + len(new) - cap
+            arc.evict(max(0, over), new)
+            arc.insert(new)
+        return hits
+
+    def _run_lru(self, keys: Sequence[OffloadKey]) -> int:
+        """SECOND or BIP: LRU behind an admission filter, declined keys in a reject FIFO."""
+        lru, rejects = self.lru, self.rejects
+        present: Sequence[OffloadKey]
+        if lru.keys().isdisjoint(keys) and (not rejects or rejects.keys().isdisjoint(keys)):
+            present, missing = (), keys  # the usual offer: all new to the shadow
+        else:
+            missing = list(filterfalse(lru.__contains__, keys))
             if rejects and missing:
                 missing = list(filterfalse(rejects.__contains__, missing))
             present = list(filterfalse(set(missing).__contains__, keys)) if missing else keys
@@ -93,16 +155,6 @@ class ShadowTier:
             self.broken = True
         else:
             hits = 0 if self.broken else len(keys)
-        if arc is not None:
-            if present:
-                arc.access(present)
-            if missing:
-                new = missing[: self.capacity]
-                over = len(arc) + len(new) - self.capacity
-                arc.evict(max(0, over), new)
-                arc.insert(new)
-            return hits
-        lru = self.lru
         if present:
             # Each read key ends most recent, tail first (head newest); a reject read
             # again is promoted (its reuse proved it), so it leaves the FIFO first.

@@ -1,0 +1,283 @@
+"""``PolicyDuel``'s LRU structure: chain-aware LRU's three admission arms, scored beside ARC.
+
+``ArmsDuel`` is ``chain_arms`` (``arms``) whose shadows are four call-by-call
+shadow tiers (``shadow_tier``: all, second sighting, BIP and ARC) and whose
+``choice`` names the winning arm, so that ``PolicyDuel`` can move its keys to
+an ARC structure while ARC's shadow leads. Its hot methods (``access``,
+``admit``, ``evict``, the sizes) inline the layers of ``ArmsChainLRUPolicy``
+and ``SecondSightPolicy`` they replace: every state change is theirs, in the
+same order (pinned by ``tests/offload/test_policy_duel.py``'s decision
+digests). Invariants: ``ArmsChainLRUPolicy``'s; ``inner`` is always a
+``ChainLRUPolicy``; ``mode`` is an LRU arm, ``choice`` any of the four.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import compress, filterfalse, repeat, starmap
+from typing import ClassVar
+
+from kvoffload.offload.base import OffloadKey
+from kvoffload.offload.policies.arc_arm import ArcArm
+from kvoffload.offload.policies.arms import _OLDEST, ALL, ArmsChainLRUPolicy, _consume
+from kvoffload.offload.policies.chain_lru import ChainLRUPolicy
+from kvoffload.offload.policies.shadow_tier import ARC, BIP, SECOND, ShadowTier
+
+
+class ArmsDuel(ArmsChainLRUPolicy):
+    """``chain_arms`` whose duel also scores an ARC shadow; ``choice`` is the winning arm.
+
+    ``mode`` (the LRU structure's admission) follows ``choice`` while that is an
+    LRU arm, and keeps its last LRU arm while ARC leads. Not registered: it is
+    ``PolicyDuel``'s LRU structure.
+    """
+
+    name = "arms_duel"
+    inner: ChainLRUPolicy  # (``inner_cls``: the hot path reads its node map and count)
+    min_shadow: ClassVar[int] = 32  # smaller shadows than chain_arms's: four of them run
+    arc_margin: ClassVar[float] = 0.01  # ARC's shadow must lead the best LRU arm by this share
+    all_margin: ClassVar[float] = 0.0  # what ALL must lead by (``switch_margin`` for the others)
+    filter_margin: ClassVar[float] = 0.0  # ... plus this share of the current arm's score
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.rate = self.rate_mask + 1
+        cap, hist = self.shadows[0].capacity, self.shadows[0].history
+        self.tiers = [ShadowTier(cap, m, hist, self.bip_period) for m in (ALL, SECOND, BIP, ARC)]
+        self.shadows = []  # chain_arms's per-key shadows: replaced by the tiers
+        self.scores = [0.0, 0.0, 0.0, 0.0]
+        # Start admitting everything, as plain LRU: a chat's next turn reads what this
+        # turn stored, and a filter that starts on loses that (0.2-0.35 points), while
+        # the shadows tie for the first thousand calls. What ALL lets in on first sight
+        # and nobody reads again is ``_fresh``: when the duel moves to a filter, those
+        # keys become rejects (else they would sit in the LRU, which a filter evicts only
+        # after its rejects, and a late switch would cost more than never filtering).
+        self.mode = self.choice = ALL
+        self._fresh: set[OffloadKey] = set()
+        # Request boundaries for the shadows' prefix scoring: a read (the hits a lookup
+        # loads) starts a request, an offer (its misses, stored) continues the one before
+        # it unless that one ended with an offer too.
+        self._reading = False
+        self._after_offer = True
+
+    @property
+    def arc_shadow(self) -> ArcArm:
+        """The ARC arm's shadow structure (its ``p`` seeds the real one on a switch)."""
+        return self.tiers[ARC].arc  # type: ignore[return-value]
+
+    # -- the hot path ---------------------------------------------------------------------
+    # ``access``, ``admit``, ``evict`` and the sizes are ``ArmsChainLRUPolicy``'s (and its
+    # ``SecondSightPolicy``'s) with the layers between a manager call and the chain list
+    # inlined: the same state changes in the same order, fewer call frames per call.
+
+    def __len__(self) -> int:
+        return len(self.inner._nodes) + len(self.rejects) + len(self._pinned_rejects)
+
+    def num_evictable(self) -> int:
+        return self.inner._linked + len(self.rejects)
+
+    def room(self, in_flight: int = 0) -> int:
+        inner = self.inner
+        # capacity - len(self) - in_flight + num_evictable(), the rejects cancelling out.
+        held = len(inner._nodes) + len(self._pinned_rejects) - inner._linked
+        return self.capacity - held - in_flight
+
+    def access(self, keys: Sequence[OffloadKey]) -> None:
+        self._reading = True
+        if self._fresh:
+            self._fresh.difference_update(keys)
+        # ``_observe`` for a read: it starts a request.
+        self._after_offer = False
+        a, b, c, d = self.tiers
+        a.broken = b.broken = c.broken = d.broken = False
+        mask = self.rate_mask
+        sample = [k for k in keys if (k[-5] & mask) == 0] if mask else keys
+        if sample:
+            self._score(sample)
+        if not self.rejects and not self._pinned_rejects:
+            self.inner.access(keys)
+        else:
+            self.access_unobserved(keys)
+
+    def admit(self, keys: Sequence[OffloadKey], in_flight: int = 0) -> list[bool] | None:
+        self._reading = False
+        if self.mode == ALL:
+            self._note_fresh(keys)
+        self._offered = None
+        if not keys:
+            return None
+        # ``_observe`` for an offer: it starts a request unless an offer ended the last.
+        if self._after_offer:
+            a, b, c, d = self.tiers
+            a.broken = b.broken = c.broken = d.broken = False
+        self._after_offer = True
+        mask = self.rate_mask
+        sample = [k for k in keys if (k[-5] & mask) == 0] if mask else keys
+        if sample:
+            self._score(sample)
+        return self._decide(keys, in_flight)
+
+    def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
+        self._reading = False
+        offered = self._offered
+        if offered is None or not incoming or not all(map(offered.__contains__, incoming)):
+            return super().evict(n, incoming)  # not judged by ``admit``: observe and decide
+        # A store whose keys ``admit`` judged (``_evict_decided``, inlined).
+        self._offered = None
+        if self._offered_all:
+            admitted = incoming
+        else:
+            admitted = list(compress(incoming, map(offered.__getitem__, incoming)))
+        admit = self._admit
+        admit.update(admitted)
+        if len(admit) > self._history_size:
+            admit.clear()  # stores that never completed; forgetting them only delays admission
+        if n == 0:
+            return []  # (the chain list's evict(0) changes nothing)
+        rejects, inner = self.rejects, self.inner
+        k = max(min(n, len(rejects)), n - inner._linked)
+        if not k:
+            return inner.evict(n, admitted)
+        victims = [rejects.popitem(last=False)[0] for _ in range(k)]
+        return victims + inner.evict(n - k, admitted)
+
+    def _note_fresh(self, keys: Sequence[OffloadKey]) -> None:
+        history, fresh = self.history, self._fresh
+        fresh.update(filterfalse(history.__contains__, keys))
+        if len(fresh) > 4 * self.capacity:
+            # Offers that were never stored, or keys long evicted: O(n) once per n offers.
+            nodes = self.inner
+            self._fresh = {k for k in fresh if k in nodes}
+
+    def _demote_fresh(self) -> None:
+        """Leaving ALL for a filter: kept keys admitted on first sight and not read
+        since become rejects, least recent first. O(capacity): once per such switch."""
+        fresh = self._fresh
+        if not fresh:
+            return
+        inner = self.inner
+        moved = [k for k in inner.lru_order() if k in fresh]  # type: ignore[attr-defined]
+        for k in moved:
+            inner.discard(k)  # type: ignore[attr-defined]
+        self.rejects.update(dict.fromkeys(moved))
+        fresh.clear()
+
+    def observe_read(self, keys: Sequence[OffloadKey]) -> None:
+        """Show the shadows a read the other structure served."""
+        self._reading = True
+        self._observe(keys)
+
+    def observe_offer(self, keys: Sequence[OffloadKey]) -> None:
+        """Show the shadows an offer the other structure takes."""
+        self._reading = False
+        self._observe(keys)
+
+    def _observe(self, keys: Sequence[OffloadKey]) -> None:
+        mask = self.rate_mask
+        sample = [k for k in keys if (k[-5] & mask) == 0] if mask else keys
+        reading = self._reading
+        new_request = reading or self._after_offer
+        self._after_offer = not reading
+        if new_request:
+            a, b, c, d = self.tiers
+            a.broken = b.broken = c.broken = d.broken = False
+        if sample:
+            self._score(sample)
+
+    def _score(self, sample: Sequence[OffloadKey]) -> None:
+        """The four shadows replay one call's sampled keys; the arms follow the scores."""
+        a, b, c, d = self.tiers
+        self._calls += 1
+        decay = self._keep ** len(sample)
+        sa, sb, sc, sd = self.scores
+        sa = sa * decay + a.step(sample)
+        sb = sb * decay + b.step(sample)
+        sc = sc * decay + c.step(sample)
+        sd = sd * decay + d.step(sample)
+        self.scores = [sa, sb, sc, sd]
+        # As in chain_arms: BIP's shadow flatters it, second sighting must lead a little.
+        eff = (sa, sb / self.second_lead, sc / self.bip_lead)
+        mode = self.mode
+        # The first of the best, as max(range(3), key=eff.__getitem__) (ties keep the lower).
+        best, top = 0, eff[0]
+        if eff[1] > top:
+            best, top = 1, eff[1]
+        if eff[2] > top:
+            best = 2
+        # Leaving a filter for ALL is cheap (nothing kept is lost) and waiting costs a
+        # chat its next turns' hits, so ALL needs only to lead; a filter, which keeps
+        # whatever ALL let in and is slow to undo, needs the margin.
+        if best == ALL:
+            margin = self.all_margin
+        else:
+            margin = self.switch_margin + self.filter_margin * eff[mode]
+        if best != mode and eff[best] > eff[mode] + margin:
+            if mode == ALL:
+                self._demote_fresh()
+            self.mode = mode = best
+        lead = eff[mode]
+        if self.choice == ARC:
+            # Leave ARC only once the LRU arm leads it by the same margin.
+            if lead > sd * (1.0 + self.arc_margin) + self.switch_margin:
+                self.choice = mode
+            return
+        if sd > lead * (1.0 + self.arc_margin) + self.switch_margin:
+            self.choice = ARC
+        else:
+            self.choice = mode
+
+    def note_offer(self, keys: Sequence[OffloadKey]) -> None:
+        """Record an offer in the sighting history (as ``admit`` does), deciding nothing:
+        the ARC structure is live, and a later switch back needs the history current."""
+        history = self.history
+        for k in keys:
+            history[k] = None
+        _consume(map(history.move_to_end, keys))  # each key most recent, in call order
+        over = len(history) - self._history_size
+        if over > 0:
+            _consume(starmap(history.popitem, repeat(_OLDEST, over)))
+
+    def take_resident(self) -> tuple[list[OffloadKey], list[OffloadKey], list[OffloadKey]]:
+        """(rejects, kept keys, pinned keys), unpinned ones next victim first; then empty.
+
+        O(capacity): only for a switch to the other structure."""
+        rejects = list(self.rejects)
+        kept = self.inner.lru_order()  # type: ignore[attr-defined]
+        pinned = self.inner.pinned_keys() + list(self._pinned_rejects)  # type: ignore[attr-defined]
+        self._reset_resident()
+        return rejects, kept, pinned
+
+    def give_resident(
+        self,
+        once: list[OffloadKey],
+        again: list[OffloadKey],
+        pinned: list[OffloadKey],
+        pending: Sequence[OffloadKey],
+    ) -> None:
+        """Hold ``once`` and ``again`` (unpinned, least recent first) and ``pinned``.
+
+        Admitting all, ``once`` is the LRU's least recent part; otherwise it is the
+        reject FIFO (keys seen once are what the filters keep out). ``pending``: keys
+        of a store already made room for, admitted when they arrive."""
+        self._reset_resident()
+        inner = self.inner
+        if self.mode == ALL:
+            kept = once + again
+            self._fresh.update(once)  # ARC's T1: seen once, as ALL's first sightings
+        else:
+            kept = again
+            self.rejects.update(dict.fromkeys(once))
+        if pinned:
+            inner.insert(pinned)
+            inner.pin(pinned)
+        if kept:
+            inner.insert(kept[::-1])  # insert puts its first key most recent
+        self._admit.update(pending)
+
+    def _reset_resident(self) -> None:
+        self.inner = ChainLRUPolicy(self.capacity)
+        self.rejects.clear()
+        self._pinned_rejects.clear()
+        self._admit.clear()
+        self._offered = None
+        self._fresh.clear()
