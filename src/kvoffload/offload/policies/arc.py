@@ -19,14 +19,20 @@ Invariants (with c = capacity): |T1| + |T2| <= c, |T1| + |B1| <= c,
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from collections.abc import Sequence
-from itertools import islice
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from itertools import islice, repeat, starmap
 
 from kvoffload.offload.base import OffloadKey
 from kvoffload.offload.policies.base import CachePolicy
 
 T1, T2 = 1, 2
+_OLDEST = (False,)  # popitem's argument: the least recent item
+
+
+def _consume(calls: Iterable[object]) -> None:
+    """Run an iterator of calls to its end in C (a zero-length deque keeps nothing)."""
+    deque(calls, 0)
 
 
 class ARCPolicy(CachePolicy):
@@ -61,26 +67,23 @@ class ARCPolicy(CachePolicy):
         b1, b2 = self.b1, self.b2
         n1 = self.n1
         pop1 = b1.popitem
-        for _ in range(min(len(b1), n1 + len(b1) - c)):
-            pop1(last=False)
+        # (Pops run in C: ``repeat`` with a count <= 0 gives nothing, as ``range`` would.)
+        _consume(starmap(pop1, repeat(_OLDEST, min(len(b1), n1 + len(b1) - c))))
         over = n1 + self.n2 + len(b1) + len(b2) - 2 * c
         if over > 0:
             k = min(over, len(b2))
-            pop2 = b2.popitem
-            for _ in range(k):
-                pop2(last=False)
-            for _ in range(over - k):
-                pop1(last=False)
+            _consume(starmap(b2.popitem, repeat(_OLDEST, k)))
+            _consume(starmap(pop1, repeat(_OLDEST, over - k)))
 
     def insert(self, keys: Sequence[OffloadKey]) -> None:
         b1, b2, t1, t2 = self.b1, self.b2, self.t1, self.t2
-        order = self.chain_order(keys)
-        if b1.keys().isdisjoint(order) and b2.keys().isdisjoint(order):
-            for key in order:  # no ghost remembers any: all to T1
+        if b1.keys().isdisjoint(keys) and b2.keys().isdisjoint(keys):
+            for key in reversed(keys):  # chain order; no ghost remembers any: all to T1
                 t1[key] = None
-            self.n1 += len(order)
+            self.n1 += len(keys)
             self._trim_ghosts()
             return
+        order = self.chain_order(keys)
         added2 = 0
         for key in order:
             if key in b1 or key in b2:
@@ -99,6 +102,10 @@ class ARCPolicy(CachePolicy):
 
     def access(self, keys: Sequence[OffloadKey]) -> None:
         t1, t2, pinned = self.t1, self.t2, self._pinned
+        if not pinned and t1.keys().isdisjoint(keys):
+            # All in T2 (a hot set read again): each most recent, in chain order.
+            _consume(map(t2.move_to_end, reversed(keys)))
+            return
         moved = 0
         get = pinned.get
         # Pinned first: a load accesses the keys it has just pinned.

@@ -28,12 +28,19 @@ from kvoffload.offload.policies.base import CachePolicy
 
 
 class _Node:
-    __slots__ = ("key", "newer", "older")
+    """One list entry. No ``__init__``: ``insert`` (the hot path) sets every field as it
+    links the node (a Python-level ``__init__`` call would double the cost of a node)."""
 
-    def __init__(self, key: OffloadKey | None) -> None:
-        self.key = key
-        self.older: _Node | None = None
-        self.newer: _Node | None = None
+    __slots__ = ("key", "newer", "older")
+    key: OffloadKey | None
+    older: _Node | None
+    newer: _Node | None
+
+
+def _sentinel() -> _Node:
+    node = _Node()
+    node.key = node.older = node.newer = None
+    return node
 
 
 class ChainLRUPolicy(CachePolicy):
@@ -41,8 +48,8 @@ class ChainLRUPolicy(CachePolicy):
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self._lru = _Node(None)  # sentinel before the least recent
-        self._mru = _Node(None)  # sentinel after the most recent
+        self._lru = _sentinel()  # before the least recent
+        self._mru = _sentinel()  # after the most recent
         self._lru.newer = self._mru
         self._mru.older = self._lru
         self._nodes: dict[OffloadKey, _Node] = {}  # resident, pinned included
@@ -93,7 +100,8 @@ class ChainLRUPolicy(CachePolicy):
                     pnode = nodes.get(parent)
                     if pnode is not None and pnode.older is not None:
                         anchor = pnode
-            node = _Node(key)
+            node = _Node()
+            node.key = key
             nodes[key] = node
             # Linked just less recent than the anchor (inline _link_behind: the hot path).
             older = anchor.older
