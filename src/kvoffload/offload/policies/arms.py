@@ -250,8 +250,9 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
 
     def access_unobserved(self, keys: Sequence[OffloadKey]) -> None:
         """``access`` without showing the shadows (they saw these reads already)."""
-        if not self.rejects and not self._pinned_rejects:
-            self.inner.access(keys)
+        rejects = self.rejects
+        if not self._pinned_rejects and (not rejects or rejects.keys().isdisjoint(keys)):
+            self.inner.access(keys)  # no reject among them: nothing to promote or refresh
             return
         up, stay = self._split_rejects(keys)
         if up:
@@ -266,7 +267,11 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
             self.inner.access([k for k in keys if k not in self._pinned_rejects])
 
     def pin(self, keys: Sequence[OffloadKey]) -> None:
-        up, stay = self._split_rejects(keys) if self.rejects else ([], [])
+        rejects = self.rejects
+        if not rejects or rejects.keys().isdisjoint(keys):
+            self.inner.pin(keys)  # no reject among them (the usual load)
+            return
+        up, stay = self._split_rejects(keys)
         if up:
             self.inner.insert(up)
         if stay:

@@ -94,8 +94,9 @@ class ArmsDuel(ArmsChainLRUPolicy):
         sample = [k for k in keys if (k[-5] & mask) == 0] if mask else keys
         if sample:
             self._score(sample)
-        if not self.rejects and not self._pinned_rejects:
-            self.inner.access(keys)
+        rejects = self.rejects
+        if not self._pinned_rejects and (not rejects or rejects.keys().isdisjoint(keys)):
+            self.inner.access(keys)  # (``access_unobserved``'s usual case)
         else:
             self.access_unobserved(keys)
 
