@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from itertools import takewhile
 
 from kvoffload.offload.base import (
     CPULoadStoreSpec,
@@ -114,11 +115,15 @@ class CPUOffloadingManager(OffloadingManager):
 
     def lookup(self, keys: Sequence[OffloadKey]) -> int:
         slot_of, storing = self._slot_of, self._storing
-        n = 0
-        for key in keys:
-            if key not in slot_of or key in storing:
-                break
-            n += 1
+        if not storing:
+            # No store in flight: the leading keys the tier holds, counted in C.
+            n = len(list(takewhile(slot_of.__contains__, keys)))
+        else:
+            n = 0
+            for key in keys:
+                if key not in slot_of or key in storing:
+                    break
+                n += 1
         if self._hints and 0 < n < len(keys):
             self.policy.hint_parent(keys[n], keys[n - 1])
         return n
@@ -181,10 +186,16 @@ class CPUOffloadingManager(OffloadingManager):
         victims: list[OffloadKey] = []
         if need > 0:
             # Stored keys of this very store are kept: evicting them to make
-            # room for their own chain would be self-defeating.
-            protect = [
-                k for k in unique if k in slot_of and k not in self._storing and k not in self._refs
-            ]
+            # room for their own chain would be self-defeating. (All new: none.)
+            protect = (
+                []
+                if new is unique
+                else [
+                    k
+                    for k in unique
+                    if k in slot_of and k not in self._storing and k not in self._refs
+                ]
+            )
             if need > policy.num_evictable() - len(protect):
                 return None
             if protect:

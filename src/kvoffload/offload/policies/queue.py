@@ -30,7 +30,7 @@ nearest need changes is marked dirty, and pushed on a heap only when a held
 key must be evicted; stale entries are dropped lazily and compacted against
 the pushes). Without hint state (no waiting request, no continue mark: the
 usual case, and every tier whose engine sends no hints) the wrapper is
-transparent: ``insert``, ``access``, ``pin``, ``unpin`` and ``hint_parent`` are
+transparent: ``insert``, ``access``, ``pin``, ``unpin``, ``hint_parent`` and ``num_evictable`` are
 the inner policy's own bound methods (set on the instance, dropped again when
 a hint arrives), and ``admit`` / ``evict`` pass straight through. Nothing scans
 the resident keys. Invariants: the resident keys are the inner policy's; held
@@ -53,7 +53,7 @@ from kvoffload.offload.policies.base import CachePolicy
 from kvoffload.offload.policies.policy_duel import PolicyDuel, fit_room
 
 #: What the wrapper hands straight to the inner policy while it holds no hint state.
-_FORWARDED = ("insert", "access", "pin", "unpin", "hint_parent")
+_FORWARDED = ("insert", "access", "pin", "unpin", "hint_parent", "num_evictable")
 
 
 class QueueAwarePolicy(CachePolicy):
@@ -89,10 +89,10 @@ class QueueAwarePolicy(CachePolicy):
     def _sync(self) -> None:
         """Forward to the inner policy while there is no hint state, stop when there is.
 
-        No waiting request and no continue mark leave nothing held or marked, so
-        ``insert`` / ``access`` / ``pin`` / ``unpin`` / ``hint_parent`` would only
-        pass through: they become the inner policy's bound methods on the instance
-        (one call frame and the wrapper's bookkeeping fewer per manager call)."""
+        No waiting request and no continue mark leave nothing held or marked, so the
+        methods named in ``_FORWARDED`` would only pass through: they become the inner
+        policy's bound methods on the instance (one call frame and the wrapper's
+        bookkeeping fewer per manager call). ``admit`` and ``evict`` stay methods."""
         plain = not self._reqs and not self._marks
         if plain == self._plain:
             return
