@@ -58,6 +58,49 @@ class ArcArm(ARCPolicy):
         else:
             self.n2 -= 1
 
+    def offer_one(self, key: OffloadKey) -> None:
+        """``evict(n, [key])`` then ``insert([key])`` for a key not resident, with
+        nothing pinned and ``n`` the one slot a full tier needs (else 0): a shadow
+        tier's one-key offer, the same state changes without the per-call set-up.
+
+        ARC's rule for one key: a ghost hit moves ``p`` (B1 up, B2 down); a full
+        tier evicts T1's least recent while |T1| > p, T2's while |T1| < p, at
+        |T1| == p T1's if the key is a B2 ghost (else T2's); the key joins T2 if a
+        ghost remembered it (forgotten there), else T1; ghosts are trimmed."""
+        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+        in1 = key in b1
+        in2 = key in b2
+        if in1 or in2:
+            p, cap = self.p, float(self.capacity)
+            if in1:
+                p += max(len(b2) / len(b1), 1.0)
+                if p > cap:
+                    p = cap
+            else:
+                p -= max(len(b1) / len(b2), 1.0)
+                if p < 0.0:
+                    p = 0.0
+            self.p = p
+        if len(t1) + len(t2) >= self.capacity:
+            p, n1 = self.p, self.n1
+            if (t1 and (not t2 or n1 > p)) or (t1 and t2 and n1 == p and in2):
+                b1[t1.popitem(last=False)[0]] = None
+                self.n1 = n1 - 1
+            else:
+                b2[t2.popitem(last=False)[0]] = None
+                self.n2 -= 1
+        if in1 or in2:
+            if in1:
+                del b1[key]
+            else:
+                del b2[key]
+            t2[key] = None
+            self.n2 += 1
+        else:
+            t1[key] = None
+            self.n1 += 1
+        self._trim_ghosts()
+
     def export(self) -> tuple[list[OffloadKey], list[OffloadKey]]:
         """The unpinned keys of T1 and of T2, each least recent first (O(n): a switch only)."""
         return list(self.t1), list(self.t2)

@@ -191,10 +191,17 @@ class ArmsDuel(ArmsChainLRUPolicy):
         self._calls += 1
         decay = self._keep ** len(sample)
         sa, sb, sc, sd = self.scores
-        sa = sa * decay + a.step(sample)
-        sb = sb * decay + b.step(sample)
-        sc = sc * decay + c.step(sample)
-        sd = sd * decay + d.step(sample)
+        if len(sample) == 1:
+            key = sample[0]
+            sa = sa * decay + a.one(key)
+            sb = sb * decay + b.one(key)
+            sc = sc * decay + c.one(key)
+            sd = sd * decay + d.one(key)
+        else:
+            sa = sa * decay + a.step(sample)
+            sb = sb * decay + b.step(sample)
+            sc = sc * decay + c.step(sample)
+            sd = sd * decay + d.step(sample)
         self.scores = [sa, sb, sc, sd]
         # As in chain_arms: BIP's shadow flatters it, second sighting must lead a little.
         eff = (sa, sb / self.second_lead, sc / self.bip_lead)

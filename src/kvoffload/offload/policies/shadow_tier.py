@@ -52,6 +52,7 @@ class ShadowTier:
         "history",
         "lru",
         "mode",
+        "one",
         "rejects",
         "seen",
         "step",
@@ -71,6 +72,10 @@ class ShadowTier:
         self.broken = False  # this request's reads already missed
         self.step: Callable[[Sequence[OffloadKey]], int] = (
             self._run_all if mode == ALL else self._run_arc if mode == ARC else self._run_lru
+        )
+        # ``step([key])`` for a call of one sampled key (most calls on a large tier).
+        self.one: Callable[[OffloadKey], int] = (
+            self._one_all if mode == ALL else self._one_arc if mode == ARC else self._one_lru
         )
 
     def __len__(self) -> int:
@@ -193,6 +198,59 @@ class ShadowTier:
             for key in reversed(declined):
                 rejects[key] = None
         return hits
+
+    # ``one(key)``: ``step([key])`` unrolled, the same state changes (one key cannot
+    # repeat, and a one-key offer evicts at most one).
+
+    def _one_all(self, key: OffloadKey) -> int:
+        lru = self.lru
+        if key in lru:
+            lru.move_to_end(key)
+            return 0 if self.broken else 1
+        self.broken = True
+        if len(lru) >= self.capacity:
+            lru.popitem(last=False)
+        lru[key] = None
+        return 0
+
+    def _one_lru(self, key: OffloadKey) -> int:
+        lru, rejects = self.lru, self.rejects
+        if key in lru:
+            lru.move_to_end(key)
+            return 0 if self.broken else 1
+        if key in rejects:
+            del rejects[key]  # promoted: read again
+            lru[key] = None
+            return 0 if self.broken else 1
+        self.broken = True
+        cap = self.capacity
+        if self._admitted([key]):
+            if len(lru) + len(rejects) >= cap:
+                (rejects or lru).popitem(last=False)
+            lru[key] = None
+        elif len(lru) < cap:  # declined: a reject, if that costs no kept key
+            if len(lru) + len(rejects) >= cap:
+                rejects.popitem(last=False)
+            rejects[key] = None
+        return 0
+
+    def _one_arc(self, key: OffloadKey) -> int:
+        arc = self.arc
+        assert arc is not None
+        t2 = arc.t2
+        if key in t2:
+            t2.move_to_end(key)
+            return 0 if self.broken else 1
+        t1 = arc.t1
+        if key in t1:  # used again: T1 -> T2
+            del t1[key]
+            t2[key] = None
+            arc.n1 -= 1
+            arc.n2 += 1
+            return 0 if self.broken else 1
+        self.broken = True
+        arc.offer_one(key)
+        return 0
 
     def _admitted(self, offered: list[OffloadKey]) -> list[OffloadKey]:
         mode = self.mode
