@@ -131,7 +131,8 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_load(self, keys: Sequence[OffloadKey]) -> CPULoadStoreSpec:
         keys = list(keys)
         slot_of, storing, refs = self._slot_of, self._storing, self._refs
-        if not (storing.isdisjoint(keys) and all(map(slot_of.__contains__, keys))):
+        slots = list(map(slot_of.get, keys))  # (checked before anything changes)
+        if None in slots or not storing.isdisjoint(keys):
             bad = next(k for k in keys if k not in slot_of or k in storing)
             raise ValueError(f"cannot load key {bad.hex()}: not stored (or still storing)")
         once = dict.fromkeys(keys, 1)
@@ -149,7 +150,7 @@ class CPUOffloadingManager(OffloadingManager):
         if newly_pinned:
             self.policy.pin(newly_pinned)
         self.policy.access(keys)
-        return CPULoadStoreSpec(list(map(slot_of.__getitem__, keys)))
+        return CPULoadStoreSpec(slots)
 
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:
         keys = list(keys)

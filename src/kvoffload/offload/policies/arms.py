@@ -341,7 +341,8 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
         over = len(history) - self._history_size
         if over > 0:
             _consume(starmap(history.popitem, repeat(_OLDEST, over)))
-        self._offered = dict(zip(keys, decided))
+        # (One decision for all keys outside SECOND: no pairing needed.)
+        self._offered = dict(zip(keys, decided)) if mode == SECOND else dict.fromkeys(keys, every)
         self._offered_all = every
         if every:
             return decided
