@@ -21,6 +21,13 @@ the LRU has room for it, else one store in ``bip_period``), ``ARC``
 (``ArcArm``, which admits everything). The LRU is an ordered dict of keys
 (least recent first): no per-key allocation but the dict's. Invariant:
 at most ``capacity`` keys resident. Deterministic.
+
+Speed (the four shadows see every sampled key of every call, so they are a
+large share of the default policy's time): each arm's ``step`` is its own
+function (no per-call dispatch on the arm), splits a call by C-level passes
+(``isdisjoint``, ``filterfalse``, ``map``) rather than per-key bytecode, and
+``one(key)`` unrolls ``step([key])``, the usual call on a large tier where 1
+key in 16 is sampled (``tests/offload/test_shadow_steps.py`` holds them equal).
 """
 
 from __future__ import annotations
