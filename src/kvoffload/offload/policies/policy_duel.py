@@ -43,6 +43,7 @@ empty); ``len``, ``num_evictable`` and pins are the live structure's.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress
 from typing import ClassVar
 
 from kvoffload.offload.base import OffloadKey
@@ -61,22 +62,21 @@ def fit_room(flags: list[bool] | None, n: int, room: int, cap: int) -> list[bool
     declined: a store larger than the room the tier can make is refused whole, while
     its head part, which continues the stored prefix, is worth storing (a lookup reads
     a chain head first)."""
-    if flags is None:
-        if n <= room:
-            return None
-        flags = [True] * n
-    elif sum(flags) <= room:
-        return flags
-    out = []
     # At most half the tier for an oversized store: replacing the whole tier by each
     # large request in turn is a loop's thrash (a round robin of prompts larger than
     # the tier then serves nothing).
     left = max(0, min(room, cap // 2))
-    for f in flags:
-        take = f and left > 0
-        out.append(take)
-        left -= take
-    return out
+    if flags is None:
+        if n <= room:
+            return None
+        take = min(left, n)
+        return [True] * take + [False] * (n - take)
+    if sum(flags) <= room:
+        return flags
+    # The first ``left`` admitted keys keep their flag, every key after them is declined.
+    admitted = list(compress(range(len(flags)), flags))
+    cut = admitted[left] if left < len(admitted) else len(flags)
+    return flags[:cut] + [False] * (len(flags) - cut)
 
 
 class PolicyDuel(CachePolicy):
