@@ -164,14 +164,29 @@ class ArmsDuel(ArmsChainLRUPolicy):
         fresh.clear()
 
     def observe_read(self, keys: Sequence[OffloadKey]) -> None:
-        """Show the shadows a read the other structure served."""
+        """Show the shadows a read the other structure served (``_observe``, inlined:
+        a read starts a request)."""
         self._reading = True
-        self._observe(keys)
+        self._after_offer = False
+        a, b, c, d = self.tiers
+        a.broken = b.broken = c.broken = d.broken = False
+        mask = self.rate_mask
+        sample = [k for k in keys if (k[-5] & mask) == 0] if mask else keys
+        if sample:
+            self._score(sample)
 
     def observe_offer(self, keys: Sequence[OffloadKey]) -> None:
-        """Show the shadows an offer the other structure takes."""
+        """Show the shadows an offer the other structure takes (``_observe``, inlined: an
+        offer starts a request unless an offer ended the last)."""
         self._reading = False
-        self._observe(keys)
+        if self._after_offer:
+            a, b, c, d = self.tiers
+            a.broken = b.broken = c.broken = d.broken = False
+        self._after_offer = True
+        mask = self.rate_mask
+        sample = [k for k in keys if (k[-5] & mask) == 0] if mask else keys
+        if sample:
+            self._score(sample)
 
     def _observe(self, keys: Sequence[OffloadKey]) -> None:
         mask = self.rate_mask
