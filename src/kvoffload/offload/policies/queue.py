@@ -17,7 +17,10 @@ an inner policy that orders everything else:
 - admission follows the queue: a new key a queued request needs is held at
   once, whatever the inner policy's admission filter thinks of it; an
   unneeded one is the inner policy's, which evicts it first while the tier is
-  full of needed keys;
+  full of needed keys. When a new key could only come in by pushing out a
+  held key, it must be needed sooner than that key, else it and the rest of
+  its store are not stored (Belady's bypass: a loop whose every turn is queued
+  would otherwise evict its own stored head to store its tail);
 - when a request leaves the queue its keys that nobody else waits for are
   unpinned in the inner policy, as just used (the request read them);
 - ``hint_continues(keys)`` (a client says the conversation goes on) marks
@@ -259,15 +262,62 @@ class QueueAwarePolicy(CachePolicy):
     # -- the policy interface ------------------------------------------------------------
 
     def admit(self, keys: Sequence[OffloadKey], in_flight: int = 0) -> list[bool] | None:
-        """The inner policy's answer, except that a key a queued request needs is always
-        stored (it is held at once, whatever the inner filter thinks of it)."""
+        """The inner policy's answer, except that a key a queued request needs is stored
+        (and held at once, whatever the inner filter thinks of it) unless only held keys
+        needed sooner could make room for it (``_bypass``)."""
         flags = self.inner.admit(keys, in_flight)
         wants = self._wants
         if flags is None or not wants:
             return flags
         flags = [f or k in wants for k, f in zip(keys, flags)]
+        if self._held:
+            flags = self._bypass(keys, flags, in_flight)
         # Keys forced in for the queue may not fit: the store would be refused whole.
         return fit_room(flags, len(keys), self.room(in_flight), self.capacity)
+
+    def _bypass(self, keys: Sequence[OffloadKey], flags: list[bool], in_flight: int) -> list[bool]:
+        """Belady's bypass against held keys: an admitted key that would push out a held
+        key is stored only if a queued request needs it sooner than that key's nearest
+        need (the j-th such key against the j-th farthest held key); the first one that is
+        not declines the rest of the store, which a lookup could not reach past it.
+        Cost O(k log h) for the k keys beyond the room that needs no held victim."""
+        held = self._held
+        free = self.room(in_flight) - (len(held) - len(held & self._pins))
+        extra = sum(flags) - max(free, 0)
+        if extra <= 0:
+            return flags
+        self._flush()
+        heap, wants, pins = self._heap, self._wants, self._pins
+        popped: list[tuple[int, int, OffloadKey]] = []
+        victims: list[tuple[int, int]] = []
+        seen: set[OffloadKey] = set()
+        while len(victims) < extra and heap:
+            entry = heapq.heappop(heap)
+            neg_seq, neg_pos, key = entry
+            if key not in held or key in seen or wants[key][0] != (-neg_seq, -neg_pos):
+                continue  # stale (or a duplicate push of a live key)
+            popped.append(entry)
+            seen.add(key)
+            if key not in pins:
+                victims.append((-neg_seq, -neg_pos))
+        for entry in popped:
+            heapq.heappush(heap, entry)
+        out = list(flags)
+        skip = max(free, 0)  # admitted keys that fit without a held victim
+        j = 0
+        for i, (key, f) in enumerate(zip(keys, flags)):
+            if not f:
+                continue
+            if skip:
+                skip -= 1
+                continue
+            need = wants.get(key)
+            if j >= len(victims) or need is None or need[0] >= victims[j]:
+                for r in range(i, len(out)):
+                    out[r] = False
+                break
+            j += 1
+        return out
 
     # ``insert`` ... ``unpin`` below run only with hint state (see ``_sync``).
 
