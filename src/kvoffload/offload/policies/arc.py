@@ -191,9 +191,14 @@ class ARCPolicy(CachePolicy):
                     n2 -= 1
                     lru, ghost = t2, b2
                 k = 1
-            run = list(islice(lru, k))  # the k least recent
+            if k == len(lru):  # the whole list (a store as large as the tier)
+                run = list(lru)
+                lru.clear()
+            else:
+                run = list(islice(lru, k))  # the k least recent
+                for key in run:
+                    del lru[key]
             for key in run:
-                del lru[key]
                 ghost[key] = None
             victims += run
             i += k

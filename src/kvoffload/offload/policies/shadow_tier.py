@@ -117,7 +117,10 @@ class ShadowTier:
         offered = missing[:cap]
         over = len(lru) + len(offered) - cap
         if over > 0:
-            _consume(starmap(lru.popitem, repeat(_OLDEST, over)))
+            if over == len(lru):
+                lru.clear()  # a call as large as the shadow replaces it
+            else:
+                _consume(starmap(lru.popitem, repeat(_OLDEST, over)))
         for key in reversed(offered):
             lru[key] = None
         return hits
