@@ -57,6 +57,12 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.fixture(autouse=True)
+def _outputs_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `bench serve` writes its table and plot to ./bench-serve unless given --out.
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture
 def trace(tmp_path: Path) -> Path:
     p = tmp_path / "t.jsonl"
