@@ -106,6 +106,10 @@ class ARCPolicy(CachePolicy):
             # All in T2 (a hot set read again): each most recent, in chain order.
             _consume(map(t2.move_to_end, reversed(keys)))
             return
+        if pinned:
+            labels = list(map(pinned.get, keys))
+            if None not in labels and T1 not in labels:
+                return  # a load's pinned keys, all used before: nothing moves
         moved = 0
         get = pinned.get
         # Pinned first: a load accesses the keys it has just pinned.
