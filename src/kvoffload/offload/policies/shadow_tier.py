@@ -279,6 +279,7 @@ class ShadowTier:
                 out.append(key)
             else:
                 seen[key] = None
-        while len(seen) > self.history:
-            seen.popitem(last=False)
+        over = len(seen) - self.history
+        if over > 0:
+            _consume(starmap(seen.popitem, repeat(_OLDEST, over)))
         return out
