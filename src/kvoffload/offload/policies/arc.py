@@ -112,8 +112,9 @@ class ARCPolicy(CachePolicy):
                 return  # a load's pinned keys, all used before: nothing moves
         moved = 0
         get = pinned.get
-        # Pinned first: a load accesses the keys it has just pinned.
-        for key in self.chain_order(keys):
+        # Pinned first: a load accesses the keys it has just pinned. (Chain order, as
+        # ``chain_order``: reversed without a copy.)
+        for key in reversed(keys):
             where = get(key)
             if where is not None:
                 if where == T1:
@@ -140,7 +141,7 @@ class ARCPolicy(CachePolicy):
 
     def unpin(self, keys: Sequence[OffloadKey]) -> None:
         t1, t2, pop = self.t1, self.t2, self._pinned.pop
-        for key in self.chain_order(keys):
+        for key in reversed(keys):  # chain order, without a copy
             if pop(key) == T1:
                 t1[key] = None
             else:
