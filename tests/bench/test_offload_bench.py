@@ -8,11 +8,13 @@ import pytest
 from kvoffload.bench import offload_vllm
 from kvoffload.bench.mooncake import MooncakeRequest, full_blocks
 from kvoffload.bench.offload import (
+    ORACLE_ROW,
     belady_hit_rate,
     bench,
     ceiling_hit_rate,
     parse_capacity,
     replay,
+    session_continues,
 )
 from kvoffload.bench.traces import KINDS, generate, load_trace, save_trace, trace_keys
 from kvoffload.cli.main import main
@@ -267,3 +269,59 @@ def test_conversation_kind_has_the_mooncake_conversation_shape() -> None:
         continued += any(full[:n] in prompts for n in range(2, len(full) + 1))
         prompts.add(full)
     assert 0.2 * len(reqs) < continued < 0.5 * len(reqs)
+
+
+# -- the session-hint oracle row ------------------------------------------------------------
+
+
+def test_session_continues_marks_requests_a_later_one_extends() -> None:
+    # Ids are chained: a later request holding a request's last block holds all of it.
+    trace = ids_trace([1, 2], [7], [1, 2, 3], [1], [1, 2, 3, 4], [7, 8], [])
+    assert session_continues(trace) == [True, True, True, True, False, False, False]
+
+
+def test_session_oracle_hints_reach_the_manager_once_each_request_is_served() -> None:
+    from kvoffload.bench import offload as offload_bench
+
+    calls: list[object] = []
+
+    class Spy(CPUOffloadingManager):
+        def lookup(self, keys: object) -> int:
+            calls.append(("lookup", keys))
+            return super().lookup(keys)  # type: ignore[arg-type]
+
+        def hint_continues(self, keys: object) -> None:
+            calls.append(("continues", keys))
+            super().hint_continues(keys)  # type: ignore[arg-type]
+
+    trace = ids_trace([1, 2], [9], [1, 2, 3])
+    orig = offload_bench.CPUOffloadingManager
+    offload_bench.CPUOffloadingManager = Spy  # type: ignore[misc]
+    try:
+        replay(trace, "queue_arms", 4, continues=session_continues(trace))
+    finally:
+        offload_bench.CPUOffloadingManager = orig  # type: ignore[misc]
+    assert calls == [
+        ("lookup", trace[0]),
+        ("continues", trace[0]),  # after request 0 is served, before request 1
+        ("lookup", trace[1]),
+        ("lookup", trace[2]),
+    ]
+
+
+def test_the_oracle_row_is_shown_but_never_the_policys_result(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    trace = trace_keys(generate("conversation", 600, seed=3))
+    report = bench(trace, ["2%"], [DEFAULT_CACHE_POLICY], False, session_oracle=True)
+    rows = {r["policy"]: r for r in report["results"]}  # type: ignore[union-attr]
+    assert set(rows) == {DEFAULT_CACHE_POLICY, ORACLE_ROW}
+    summary = report["capacities"]["2%"]  # type: ignore[index]
+    assert summary["best_policy"] == DEFAULT_CACHE_POLICY
+    assert summary["default_hit_rate"] == rows[DEFAULT_CACHE_POLICY]["hit_rate"]
+    # Telling the tier which conversations go on pays on a conversation trace.
+    assert rows[ORACLE_ROW]["hit_rate"] > rows[DEFAULT_CACHE_POLICY]["hit_rate"]
+    args = ["bench", "offload", "--generate", "conversation", "--requests", "300", "--no-vllm"]
+    assert main([*args, "--policies", "lru", "--capacity", "5%", "--session-oracle"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "oracle from the trace's future" in out

@@ -20,6 +20,12 @@ has arrived by ``t_i + D`` and was not announced yet is announced with
 ``hint_dequeued`` once it is scheduled: after its lookup and load, before its
 store. vLLM's rows get the same trace and no hints (vLLM's manager has none).
 
+With ``--session-oracle`` one more row replays the default policy with session
+hints taken from the trace's own future: after request i is served, its blocks
+get ``hint_continues`` when a later request extends its whole prompt (a
+conversation's next turn). No server knows that, so the row is an oracle, shown
+beside the policy and never counted as its result.
+
 Figures per policy and capacity: block hit rate (hit blocks over all blocks
 of all requests) and block-ops/s (keys handed to manager calls per second;
 the same count for every manager). Beside them: Belady's MIN (offline optimum
@@ -52,6 +58,8 @@ from kvoffload.offload.cpu_manager import DEFAULT_CACHE_POLICY
 
 Trace = Sequence[Sequence[OffloadKey]]
 VLLM_ROWS = ("vllm:lru", "vllm:arc", "vllm:lru+store_threshold=2")
+#: The row of ``--session-oracle``: the default policy told which sessions continue.
+ORACLE_ROW = f"{DEFAULT_CACHE_POLICY}+session-oracle"
 
 
 @dataclass
@@ -84,6 +92,7 @@ def replay(
     times: Sequence[float] | None = None,
     lookahead_ms: float = 0.0,
     admission: bool = True,
+    continues: Sequence[bool] | None = None,
 ) -> ReplayResult:
     """Drive a fresh kvoffload manager through ``trace``; see the module docstring.
 
@@ -91,7 +100,8 @@ def replay(
     only those, as kvoffload's connector does; False offers every key.
 
     ``times`` (ms, non-decreasing) with ``lookahead_ms > 0`` sends queue hints;
-    hint keys are not counted as block ops (their time is).
+    ``continues`` (one flag per request) sends a request's keys as a session hint
+    once it is served. Hint keys are not counted as block ops (their time is).
     """
     m = CPUOffloadingManager(capacity, cache_policy=policy)
     lookup, prepare_load, complete_load = m.lookup, m.prepare_load, m.complete_load
@@ -104,6 +114,8 @@ def replay(
     hits = ops = blocks = refused = 0
     start = time.perf_counter()
     for i, keys in enumerate(trace):
+        if continues is not None and i and continues[i - 1] and trace[i - 1]:
+            m.hint_continues(trace[i - 1])  # request i - 1 is served: its session goes on
         if hinted:
             horizon = times[i] + lookahead_ms  # type: ignore[index]
             while announced < n_req and times[announced] <= horizon:  # type: ignore[index]
@@ -166,6 +178,23 @@ def _hint_calls(
     if base is not None and getattr(type(m), "hint_queued", base) is not base:
         return m.hint_queued, m.hint_dequeued  # type: ignore[attr-defined]
     return m.policy.hint_queued, m.policy.hint_dequeued
+
+
+def session_continues(trace: Trace) -> list[bool]:
+    """Per request: does a later request extend its whole prompt (its last full block)?
+
+    Block ids are chained, so a later request that holds a request's last block holds
+    all of it: that later request is the conversation's next turn (or another reader of
+    the same prefix). The trace's future decides: an oracle, for the replay only. O(blocks).
+    """
+    later: set[OffloadKey] = set()
+    out = [False] * len(trace)
+    for i in range(len(trace) - 1, -1, -1):
+        keys = trace[i]
+        if keys:
+            out[i] = keys[-1] in later
+            later.update(keys)
+    return out
 
 
 def ceiling_hit_rate(trace: Trace) -> float:
@@ -244,11 +273,14 @@ def bench(
     progress: Callable[[str], None] | None = None,
     times: Sequence[float] | None = None,
     lookahead_s: float = 0.0,
+    session_oracle: bool = False,
 ) -> dict[str, object]:
     """Every policy at every capacity, Belady and the ceiling: one JSON-able dict.
 
     ``times`` (ms) and ``lookahead_s > 0``: kvoffload's managers get queue
-    hints (see the module docstring); vLLM's rows never do.
+    hints (see the module docstring); vLLM's rows never do. ``session_oracle``:
+    one more row, ``ORACLE_ROW``, the default policy with session hints from the
+    trace's future (not a policy's result: it is left out of the summary's best row).
     """
     if lookahead_s < 0:
         raise ValueError(f"lookahead must be >= 0 s, got {lookahead_s}")
@@ -264,6 +296,7 @@ def bench(
     unique = len({k for keys in trace for k in keys})
     caps = [(c, parse_capacity(c, unique)) for c in capacities]
     vllm_error = offload_vllm.unavailable() if with_vllm else "not requested (--no-vllm)"
+    continuing = session_continues(trace) if session_oracle else None
     rows: list[dict[str, object]] = []
     summary: dict[str, dict[str, object]] = {}
     for label, cap in caps:
@@ -275,6 +308,14 @@ def bench(
             if progress:
                 progress(f"{p} @ {label}")
             results.append(replay(trace, p, cap, times, 1000.0 * lookahead_s))
+        if continuing is not None:
+            if progress:
+                progress(f"{ORACLE_ROW} @ {label}")
+            r = replay(
+                trace, DEFAULT_CACHE_POLICY, cap, times, 1000.0 * lookahead_s, True, continuing
+            )
+            r.policy = ORACLE_ROW
+            results.append(r)
         for name in VLLM_ROWS if vllm_error is None else ():
             if progress:
                 progress(f"{name} @ {label}")
@@ -299,11 +340,12 @@ def bench(
         gap = None
         if ours is not None and vllm_best is not None and belady > vllm_best:
             gap = (ours.hit_rate - vllm_best) / (belady - vllm_best)
+        real = [r for r in results if r.policy != ORACLE_ROW]
         summary[label] = {
             "capacity": cap,
             "belady_hit_rate": belady,
-            "best_policy": max(results, key=lambda r: r.hit_rate).policy,
-            "best_hit_rate": max(r.hit_rate for r in results),
+            "best_policy": max(real, key=lambda r: r.hit_rate).policy,
+            "best_hit_rate": max(r.hit_rate for r in real),
             "vllm_best_hit_rate": vllm_best,
             "default_hit_rate": ours.hit_rate if ours else None,
             "default_gap_closed": gap,
@@ -313,6 +355,7 @@ def bench(
         "blocks": blocks,
         "full_blocks_only": True,
         "lookahead_s": lookahead_s,
+        "session_oracle": session_oracle,
         "unique_blocks": unique,
         "ceiling_hit_rate": ceiling_hit_rate(trace),
         "default_policy": DEFAULT_CACHE_POLICY,
@@ -361,6 +404,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "hint_dequeued once scheduled); 0 (default): no hints. vLLM's rows never get hints",
     )
     parser.add_argument(
+        "--session-oracle",
+        action="store_true",
+        help="add a row: the default policy with session hints from the trace's future "
+        "(hint_continues for each request that a later request extends; an oracle, "
+        "not the policy's result)",
+    )
+    parser.add_argument(
         "--policies", default="all", help=f"comma-separated, or all ({', '.join(policy_names())})"
     )
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's own policies")
@@ -402,8 +452,9 @@ def run(args: argparse.Namespace) -> int:
     name, trace, times = _trace_from_args(args)
     caps = _capacities(args)
     look = args.lookahead_s
+    oracle = args.session_oracle
     if args.json:
-        report = bench(trace, caps, policies, not args.no_vllm, None, times, look)
+        report = bench(trace, caps, policies, not args.no_vllm, None, times, look, oracle)
         report["trace"] = name
         if args.out:
             offload_report.write(report, args.out)
@@ -414,14 +465,15 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     console = Console()
-    steps = len(caps) * (len(policies) + 1 + (0 if args.no_vllm else len(VLLM_ROWS)))
+    per_cap = len(policies) + 1 + oracle + (0 if args.no_vllm else len(VLLM_ROWS))
+    steps = len(caps) * per_cap
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("replaying", total=steps)
 
         def progress(what: str) -> None:
             bar.update(task, advance=1, description=what)
 
-        report = bench(trace, caps, policies, not args.no_vllm, progress, times, look)
+        report = bench(trace, caps, policies, not args.no_vllm, progress, times, look, oracle)
     report["trace"] = name
     offload_report.print_report(report, console)
     if args.out:

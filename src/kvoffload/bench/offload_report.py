@@ -118,6 +118,12 @@ def replay_note(report: dict[str, Any]) -> str:
         )
     else:
         text += "No queue hints (--lookahead-s 0)."
+    if report.get("session_oracle"):
+        text += (
+            f" {report['default_policy']}+session-oracle: the default policy told, after each "
+            "request, whether a later request extends its prompt (hint_continues): an oracle "
+            "from the trace's future, not the policy's result."
+        )
     return text
 
 
