@@ -334,9 +334,11 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
                     every = n <= self._room() or self._stores % self.bip_period == 0
                 decided = [every] * n
             # Every key ends most recent, in call order. (OrderedDict.update and slot
-            # wrappers such as __setitem__ are slower than this loop; move_to_end is not.)
-            for k in keys:
-                history[k] = None
+            # wrappers such as __setitem__ are slower than this loop; move_to_end is not.
+            # A second sighting of every key has them all in the history already.)
+            if mode != SECOND or not every:
+                for k in keys:
+                    history[k] = None
             _consume(map(history.move_to_end, keys))
         over = len(history) - self._history_size
         if over > 0:
