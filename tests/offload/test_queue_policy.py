@@ -89,6 +89,17 @@ def test_a_store_does_not_push_out_its_own_queued_head_for_its_tail() -> None:
     assert m.lookup(keys(1, 2, 3, 4, 5)) == 3
 
 
+def test_the_bypass_holds_when_the_inner_policy_stores_everything() -> None:
+    # BIP admits a store whole (None) even beyond the room its own keys leave.
+    m = CPUOffloadingManager(3, "queue_arms")
+    store(m, keys(1, 2, 3))
+    m.hint_queued("again", keys(1, 2, 3, 4, 5))
+    policy_of(m).inner.admit = lambda ks, in_flight=0: None  # type: ignore[method-assign]
+    assert m.admit(keys(4, 5)) == [False, False]
+    m.hint_queued("soon", keys(6))  # after "again": needed later than 1, 2, 3
+    assert m.admit(keys(6)) == [False]
+
+
 def test_a_key_needed_sooner_than_a_held_one_still_comes_in() -> None:
     m = CPUOffloadingManager(2, "queue_arms")
     store(m, keys(1, 2))

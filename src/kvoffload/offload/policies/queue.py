@@ -267,13 +267,22 @@ class QueueAwarePolicy(CachePolicy):
         needed sooner could make room for it (``_bypass``)."""
         flags = self.inner.admit(keys, in_flight)
         wants = self._wants
-        if flags is None or not wants:
+        if not wants:
             return flags
-        flags = [f or k in wants for k, f in zip(keys, flags)]
-        if self._held:
-            flags = self._bypass(keys, flags, in_flight)
+        if flags is None:
+            # The inner policy stores all (BIP may, beyond the room it has: its stores
+            # are whole), so only the bypass can decline.
+            if not self._held:
+                return None
+            out = self._bypass(keys, [True] * len(keys), in_flight)
+            if all(out):
+                return None
+        else:
+            out = [f or k in wants for k, f in zip(keys, flags)]
+            if self._held:
+                out = self._bypass(keys, out, in_flight)
         # Keys forced in for the queue may not fit: the store would be refused whole.
-        return fit_room(flags, len(keys), self.room(in_flight), self.capacity)
+        return fit_room(out, len(keys), self.room(in_flight), self.capacity)
 
     def _bypass(self, keys: Sequence[OffloadKey], flags: list[bool], in_flight: int) -> list[bool]:
         """Belady's bypass against held keys: an admitted key that would push out a held
