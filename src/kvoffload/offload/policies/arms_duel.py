@@ -36,7 +36,7 @@ class ArmsDuel(ArmsChainLRUPolicy):
     inner: ChainLRUPolicy  # (``inner_cls``: the hot path reads its node map and count)
     min_shadow: ClassVar[int] = 32  # smaller shadows than chain_arms's: four of them run
     arc_margin: ClassVar[float] = 0.01  # ARC's shadow must lead the best LRU arm by this share
-    all_margin: ClassVar[float] = 0.0  # what ALL must lead by (``switch_margin`` for the others)
+    all_margin: ClassVar[float] = 0.5  # what ALL must lead by (``switch_margin`` for the others)
     filter_margin: ClassVar[float] = 0.0  # ... plus this share of the current arm's score
 
     def __init__(self, capacity: int) -> None:
@@ -59,6 +59,9 @@ class ArmsDuel(ArmsChainLRUPolicy):
         # it unless that one ended with an offer too.
         self._reading = False
         self._after_offer = True
+        # The sampled keys this request read: an offer continuing the request is stored
+        # behind them in the LRU arms' shadows, as the chain list anchors it (``_behind_prefix``).
+        self._prefix: Sequence[OffloadKey] = ()
 
     @property
     def arc_shadow(self) -> ArcArm:
@@ -92,6 +95,7 @@ class ArmsDuel(ArmsChainLRUPolicy):
         a.broken = b.broken = c.broken = d.broken = False
         mask = self.rate_mask
         sample = [k for k in keys if (k[-5] & mask) == 0] if mask else keys
+        self._prefix = sample
         if sample:
             self._score(sample)
         rejects = self.rejects
@@ -111,11 +115,14 @@ class ArmsDuel(ArmsChainLRUPolicy):
         if self._after_offer:
             a, b, c, d = self.tiers
             a.broken = b.broken = c.broken = d.broken = False
+            self._prefix = ()
         self._after_offer = True
         mask = self.rate_mask
         sample = [k for k in keys if (k[-5] & mask) == 0] if mask else keys
         if sample:
             self._score(sample)
+            if self._prefix:
+                self._behind_prefix()
         return self._decide(keys, in_flight)
 
     def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
@@ -172,6 +179,7 @@ class ArmsDuel(ArmsChainLRUPolicy):
         a.broken = b.broken = c.broken = d.broken = False
         mask = self.rate_mask
         sample = [k for k in keys if (k[-5] & mask) == 0] if mask else keys
+        self._prefix = sample
         if sample:
             self._score(sample)
 
@@ -182,11 +190,27 @@ class ArmsDuel(ArmsChainLRUPolicy):
         if self._after_offer:
             a, b, c, d = self.tiers
             a.broken = b.broken = c.broken = d.broken = False
+            self._prefix = ()
         self._after_offer = True
         mask = self.rate_mask
         sample = [k for k in keys if (k[-5] & mask) == 0] if mask else keys
         if sample:
             self._score(sample)
+            if self._prefix:
+                self._behind_prefix()
+
+    def _behind_prefix(self) -> None:
+        """The offer just scored continues the request's read prefix. The real LRU arms
+        store it behind that prefix (``hint_parent``: the chain list anchors a
+        continuation behind its parent, so the chain's head stays newest); their shadows
+        do the same by making the prefix most recent again. Without it a shadow ranks
+        plain LRU, which evicts a cold chain from its head, and the duel takes ARC for
+        the chain-aware LRU's equal (ARC itself is not chain-aware)."""
+        prefix = self._prefix
+        a, b, c, _ = self.tiers
+        a.refresh(prefix)
+        b.refresh(prefix)
+        c.refresh(prefix)
 
     def _observe(self, keys: Sequence[OffloadKey]) -> None:
         mask = self.rate_mask
@@ -197,8 +221,13 @@ class ArmsDuel(ArmsChainLRUPolicy):
         if new_request:
             a, b, c, d = self.tiers
             a.broken = b.broken = c.broken = d.broken = False
+            self._prefix = ()
+        if reading:
+            self._prefix = sample
         if sample:
             self._score(sample)
+            if not reading and self._prefix:
+                self._behind_prefix()
 
     def _score(self, sample: Sequence[OffloadKey]) -> None:
         """The four shadows replay one call's sampled keys; the arms follow the scores."""
@@ -228,7 +257,8 @@ class ArmsDuel(ArmsChainLRUPolicy):
         if eff[2] > top:
             best = 2
         # Leaving a filter for ALL is cheap (nothing kept is lost) and waiting costs a
-        # chat its next turns' hits, so ALL needs only to lead; a filter, which keeps
+        # chat its next turns' hits, so ALL needs only a small lead (half a shadow hit:
+        # a tie must not pull a filter that just won back to ALL); a filter, which keeps
         # whatever ALL let in and is slow to undo, needs the margin.
         if best == ALL:
             margin = self.all_margin

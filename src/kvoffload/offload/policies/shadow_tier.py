@@ -88,6 +88,11 @@ class ShadowTier:
     def __len__(self) -> int:
         return len(self.arc) if self.arc is not None else len(self.lru) + len(self.rejects)
 
+    def refresh(self, keys: Sequence[OffloadKey]) -> None:
+        """Make those of ``keys`` (head first) still kept the most recent, head newest."""
+        lru = self.lru
+        _consume(map(lru.move_to_end, reversed([k for k in keys if k in lru])))
+
     def run(self, keys: Sequence[OffloadKey]) -> int:
         """Replay one call's keys (head first); how many count as hits."""
         return self.step(keys) if keys else 0
