@@ -99,11 +99,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU-tier cache policy (default: queue_arms: blocks that queued requests need "
         "are kept, the one needed farthest ahead goes first, in front of a duel of sampled "
         "shadow tiers among chain-aware LRU admitting all, second sightings or a bimodal "
-        "trickle against loops, and ARC. On `kvoffload bench offload`, Mooncake trace, "
-        "1-25%% tiers: with no hints at or above vLLM's lru, arc and store_threshold=2 "
-        "everywhere; a 5 s queue closes 18%% of the gap to Belady at 1-10%%, a 30 s one "
-        "56%%; a loop twice the tier keeps 99%% of Belady's hits (vLLM's: none). Where it "
-        "trails without hints: README, Cache policy)",
+        "trickle against loops, and ARC. On `kvoffload bench offload`, Mooncake synthetic "
+        "trace, 1-25%% tiers: with no hints at or above vLLM's lru, arc and "
+        "store_threshold=2 everywhere; a 5 s queue closes 18%% of the gap to Belady at "
+        "1-10%%, a 30 s one 58%%; with a queue a loop is served as Belady serves it, "
+        "without one a loop twice the tier keeps 99%% of Belady's hits (vLLM's: none). "
+        "Mooncake conversation trace, no hints: 0.02 points below store_threshold=2 at 1%%, "
+        "at or above vLLM's best at 5-25%%. Where it trails on generated traces: README, "
+        "Cache policy)",
     )
     o.add_argument(
         "--disk-dir",
