@@ -89,15 +89,7 @@ class ArmsDuel(ArmsChainLRUPolicy):
         self._reading = True
         if self._fresh:
             self._fresh.difference_update(keys)
-        # ``_observe`` for a read: it starts a request.
-        self._after_offer = False
-        a, b, c, d = self.tiers
-        a.broken = b.broken = c.broken = d.broken = False
-        mask = self.rate_mask
-        sample = [k for k in keys if (k[-5] & mask) == 0] if mask else keys
-        self._prefix = sample
-        if sample:
-            self._score(sample)
+        self.observe_read(keys)
         rejects = self.rejects
         if not self._pinned_rejects and (not rejects or rejects.keys().isdisjoint(keys)):
             self.inner.access(keys)  # (``access_unobserved``'s usual case)
@@ -111,18 +103,7 @@ class ArmsDuel(ArmsChainLRUPolicy):
         self._offered = None
         if not keys:
             return None
-        # ``_observe`` for an offer: it starts a request unless an offer ended the last.
-        if self._after_offer:
-            a, b, c, d = self.tiers
-            a.broken = b.broken = c.broken = d.broken = False
-            self._prefix = ()
-        self._after_offer = True
-        mask = self.rate_mask
-        sample = [k for k in keys if (k[-5] & mask) == 0] if mask else keys
-        if sample:
-            self._score(sample)
-            if self._prefix:
-                self._behind_prefix()
+        self.observe_offer(keys)
         return self._decide(keys, in_flight)
 
     def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
@@ -171,8 +152,8 @@ class ArmsDuel(ArmsChainLRUPolicy):
         fresh.clear()
 
     def observe_read(self, keys: Sequence[OffloadKey]) -> None:
-        """Show the shadows a read the other structure served (``_observe``, inlined:
-        a read starts a request)."""
+        """Show the shadows a read (``access``'s, or one the ARC structure served): a
+        read starts a request."""
         self._reading = True
         self._after_offer = False
         a, b, c, d = self.tiers
@@ -184,8 +165,8 @@ class ArmsDuel(ArmsChainLRUPolicy):
             self._score(sample)
 
     def observe_offer(self, keys: Sequence[OffloadKey]) -> None:
-        """Show the shadows an offer the other structure takes (``_observe``, inlined: an
-        offer starts a request unless an offer ended the last)."""
+        """Show the shadows an offer (``admit``'s, or one the ARC structure takes): it
+        starts a request unless an offer ended the last, and continues the read prefix."""
         self._reading = False
         if self._after_offer:
             a, b, c, d = self.tiers
@@ -213,21 +194,7 @@ class ArmsDuel(ArmsChainLRUPolicy):
         c.refresh(prefix)
 
     def _observe(self, keys: Sequence[OffloadKey]) -> None:
-        mask = self.rate_mask
-        sample = [k for k in keys if (k[-5] & mask) == 0] if mask else keys
-        reading = self._reading
-        new_request = reading or self._after_offer
-        self._after_offer = not reading
-        if new_request:
-            a, b, c, d = self.tiers
-            a.broken = b.broken = c.broken = d.broken = False
-            self._prefix = ()
-        if reading:
-            self._prefix = sample
-        if sample:
-            self._score(sample)
-            if not reading and self._prefix:
-                self._behind_prefix()
+        (self.observe_read if self._reading else self.observe_offer)(keys)
 
     def _score(self, sample: Sequence[OffloadKey]) -> None:
         """The four shadows replay one call's sampled keys; the arms follow the scores."""
