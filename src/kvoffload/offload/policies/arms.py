@@ -399,7 +399,7 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
     ) -> list[OffloadKey]:
         """``evict`` for a store whose keys ``admit`` judged (observed and decided there)."""
         if self._offered_all:
-            admitted = list(incoming)
+            admitted = incoming
         else:
             admitted = list(compress(incoming, map(offered.__getitem__, incoming)))
         admit = self._admit
@@ -407,9 +407,10 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
         if len(admit) > self._history_size:
             admit.clear()  # stores that never completed; forgetting them only delays admission
         if n == 0:
-            self.inner.evict(0, admitted)
-            return []
+            return []  # (the chain list's evict(0) changes nothing)
         rejects, inner = self.rejects, self.inner
         k = max(min(n, len(rejects)), n - inner.num_evictable())
+        if not k:
+            return inner.evict(n, admitted)
         victims = [rejects.popitem(last=False)[0] for _ in range(k)]
         return victims + inner.evict(n - k, admitted)

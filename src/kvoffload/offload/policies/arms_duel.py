@@ -14,7 +14,7 @@ digests). Invariants: ``ArmsChainLRUPolicy``'s; ``inner`` is always a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import compress, filterfalse, repeat, starmap
+from itertools import filterfalse, repeat, starmap
 from typing import ClassVar
 
 from kvoffload.offload.base import OffloadKey
@@ -108,27 +108,7 @@ class ArmsDuel(ArmsChainLRUPolicy):
 
     def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
         self._reading = False
-        offered = self._offered
-        if offered is None or not incoming or not all(map(offered.__contains__, incoming)):
-            return super().evict(n, incoming)  # not judged by ``admit``: observe and decide
-        # A store whose keys ``admit`` judged (``_evict_decided``, inlined).
-        self._offered = None
-        if self._offered_all:
-            admitted = incoming
-        else:
-            admitted = list(compress(incoming, map(offered.__getitem__, incoming)))
-        admit = self._admit
-        admit.update(admitted)
-        if len(admit) > self._history_size:
-            admit.clear()  # stores that never completed; forgetting them only delays admission
-        if n == 0:
-            return []  # (the chain list's evict(0) changes nothing)
-        rejects, inner = self.rejects, self.inner
-        k = max(min(n, len(rejects)), n - inner._linked)
-        if not k:
-            return inner.evict(n, admitted)
-        victims = [rejects.popitem(last=False)[0] for _ in range(k)]
-        return victims + inner.evict(n - k, admitted)
+        return super().evict(n, incoming)
 
     def _note_fresh(self, keys: Sequence[OffloadKey]) -> None:
         history, fresh = self.history, self._fresh
