@@ -63,10 +63,11 @@ class RefARC:
     """ARC (Megiddo & Modha) with the tier's split of a store into evict and insert.
 
     ``evict`` adapts ``p`` to every incoming ghost hit first, then runs
-    REPLACE once per victim (victim i makes room for ``incoming[-n + i]``),
-    then trims the ghost lists; ``insert`` puts a key a ghost list remembers
-    in T2, any other in T1. Pinned keys keep their list membership (and count
-    in |T1|, |T2|) but are no candidates; unpinned, they return as most recent.
+    REPLACE once per victim (victim i makes room for ``incoming[-n + i]``);
+    ``insert`` puts a key a ghost list remembers in T2, any other in T1, then
+    trims each ghost list to its c most recent keys. Pinned keys keep their
+    list membership (and count in |T1|, |T2|) but are no candidates; unpinned,
+    they return as most recent.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -83,10 +84,9 @@ class RefARC:
         return sum(1 for w in self.where.values() if w == which)
 
     def _trim(self) -> None:
-        while self.b1 and self.n(1) + len(self.b1) > self.c:
-            self.b1.pop(0)
-        while len(self.where) + len(self.b1) + len(self.b2) > 2 * self.c:
-            (self.b2 if self.b2 else self.b1).pop(0)
+        # Each ghost list keeps its c most recent keys (vLLM 0.33's bound, not the paper's).
+        for ghost in (self.b1, self.b2):
+            del ghost[: max(0, len(ghost) - self.c)]
 
     def insert(self, keys: Sequence[bytes]) -> None:
         for k in reversed(keys):
@@ -137,7 +137,6 @@ class RefARC:
                 self.b2.append(v)
             del self.where[v]
             victims.append(v)
-        self._trim()
         return victims
 
     def resident(self) -> set[bytes]:
@@ -245,3 +244,19 @@ TestReferenceMachine.settings = settings(max_examples=200, stateful_step_count=5
 def test_flat_lru_is_the_chain_unaware_one() -> None:
     assert isinstance(make_policy("lru_flat", 2), FlatLRUPolicy)
     assert FlatLRUPolicy.chain_order([key(1), key(2)]) == [key(1), key(2)]
+
+
+def test_arc_remembers_a_full_tier_of_t1_ghosts() -> None:
+    # The paper's |T1| + |B1| <= c would forget both ghosts here; each list keeps c.
+    arc = ARCPolicy(2)
+
+    def store(i: int) -> None:
+        arc.evict(max(0, len(arc) + 1 - arc.capacity), [key(i)])
+        arc.insert([key(i)])
+
+    for i in range(4):
+        store(i)
+    assert list(arc.t1) == [key(2), key(3)]
+    assert list(arc.b1) == [key(0), key(1)]
+    store(0)  # a returning ghost comes back as used again, and T1's target grows
+    assert key(0) in arc.t2 and arc.p > 0

