@@ -152,6 +152,30 @@ def test_cli_table_marks_the_default(capsys: pytest.CaptureFixture[str]) -> None
     assert "Belady" in out and "ceiling" in out and "(default)" in out
 
 
+def test_table_keeps_every_policy_name_whole_at_80_columns() -> None:
+    # Four sizes and the long names once folded to "chain_…" for three different rows.
+    from rich.console import Console
+
+    from kvoffload.bench.offload_report import print_report, table_lines
+
+    trace = trace_keys(generate("chat", 120, seed=3))
+    names = ["chain_arms", "chain_duel", "chain_lru", DEFAULT_CACHE_POLICY]
+    report = bench(trace, ["1%", "5%", "10%", "25%"], names, with_vllm=False)
+    report["trace"] = "trace.jsonl"
+    console = Console(width=80, record=True)
+    print_report(report, console)
+    out = console.export_text()
+    assert "…" not in out
+    for name in names:
+        assert f" {name} " in out
+    # x vLLM lru is the lowest size's ratio: a target holds at every size or not at all.
+    for row in report["results"]:  # type: ignore[union-attr]
+        row["ops_vs_vllm_lru"] = 1.0 + row["capacity"] / 1000  # type: ignore[index]
+    lines = {cells[0]: cells for cells in table_lines(report)}
+    low = min(r["capacity"] for r in report["results"])  # type: ignore[union-attr]
+    assert lines["chain_lru"][-2] == f"{1.0 + low / 1000:.1f}x"
+
+
 def test_vllm_rows_show_unavailable_without_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(offload_vllm, "unavailable", lambda: "vLLM unavailable (test)")
     report = bench(ids_trace([1, 2], [1, 2]), ["2"], ["lru"])

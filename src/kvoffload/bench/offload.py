@@ -465,6 +465,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)  # piped to a file or CI log: no terminal to fit
     per_cap = len(policies) + 1 + oracle + (0 if args.no_vllm else len(VLLM_ROWS))
     steps = len(caps) * per_cap
     with Progress(console=console, transient=True) as bar:
