@@ -176,6 +176,37 @@ def test_table_keeps_every_policy_name_whole_at_80_columns() -> None:
     assert lines["chain_lru"][-2] == f"{1.0 + low / 1000:.1f}x"
 
 
+def test_each_timed_replay_starts_from_a_collected_frozen_heap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Full collections of earlier replays' objects fell inside later ones (one row at one
+    # size 2.6x slower): each replay, ours and vLLM's, starts frozen; none stays frozen.
+    import gc
+
+    import kvoffload.bench.offload as offload
+
+    frozen: list[int] = []
+    ours, theirs = offload.replay, offload_vllm.replay
+
+    def spy_ours(*args: object, **kwargs: object) -> object:
+        frozen.append(gc.get_freeze_count())
+        return ours(*args, **kwargs)  # type: ignore[arg-type]
+
+    def spy_theirs(*args: object, **kwargs: object) -> object:
+        frozen.append(gc.get_freeze_count())
+        return theirs(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(offload, "replay", spy_ours)
+    monkeypatch.setattr(offload_vllm, "replay", spy_theirs)
+    gc.unfreeze()
+    trace = ids_trace([1, 2], [1, 2, 3], [1, 2])
+    bench(trace, ["2", "3"], ["lru", "arc"])
+    theirs_rows = 0 if offload_vllm.unavailable() else len(offload.VLLM_ROWS)
+    assert len(frozen) == 2 * (2 + theirs_rows)
+    assert all(n > 0 for n in frozen)
+    assert gc.get_freeze_count() == 0
+
+
 def test_vllm_rows_show_unavailable_without_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(offload_vllm, "unavailable", lambda: "vLLM unavailable (test)")
     report = bench(ids_trace([1, 2], [1, 2]), ["2"], ["lru"])

@@ -37,6 +37,7 @@ infinite tier: every block but first uses hits).
 from __future__ import annotations
 
 import argparse
+import gc
 import heapq
 import json
 import time
@@ -160,6 +161,17 @@ def replay(
             ops += len(stored)
     seconds = time.perf_counter() - start
     return ReplayResult(policy, capacity, blocks, hits, ops, seconds, refused)
+
+
+def _steady_heap() -> None:
+    """Start a timed replay from a collected heap, the objects alive now frozen.
+
+    Otherwise the garbage and live objects of earlier replays (vLLM's block
+    objects, a chain list's nodes) are traversed by full collections that fall
+    inside a later replay: one row at one size measured 2.6x slower, and the
+    ratio to vLLM lru swung 3.6x-4.8x between runs."""
+    gc.collect()
+    gc.freeze()
 
 
 def _ratio(ops: float, base: float | None) -> float | None:
@@ -299,57 +311,64 @@ def bench(
     continuing = session_continues(trace) if session_oracle else None
     rows: list[dict[str, object]] = []
     summary: dict[str, dict[str, object]] = {}
-    for label, cap in caps:
-        if progress:
-            progress(f"Belady @ {label}")
-        belady = belady_hit_rate(trace, cap)
-        results = []
-        for p in policies:
+    try:
+        for label, cap in caps:
             if progress:
-                progress(f"{p} @ {label}")
-            results.append(replay(trace, p, cap, times, 1000.0 * lookahead_s))
-        if continuing is not None:
-            if progress:
-                progress(f"{ORACLE_ROW} @ {label}")
-            r = replay(
-                trace, DEFAULT_CACHE_POLICY, cap, times, 1000.0 * lookahead_s, True, continuing
-            )
-            r.policy = ORACLE_ROW
-            results.append(r)
-        for name in VLLM_ROWS if vllm_error is None else ():
-            if progress:
-                progress(f"{name} @ {label}")
-            policy, threshold = offload_vllm.ROWS[name]
-            hits, ops, seconds, refused = offload_vllm.replay(trace, policy, cap, threshold)
-            results.append(ReplayResult(name, cap, blocks, hits, ops, seconds, refused))
-        vllm_ops = {r.policy: r.ops_per_s for r in results if r.policy.startswith("vllm:")}
-        vllm_best = max((r.hit_rate for r in results if r.policy.startswith("vllm:")), default=None)
-        for r in results:
-            row = asdict(r)
-            row.update(
-                label=label,
-                hit_rate=r.hit_rate,
-                ops_per_s=r.ops_per_s,
-                ops_vs_vllm_lru=_ratio(r.ops_per_s, vllm_ops.get("vllm:lru")),
-                # Against vLLM's own policy of the same name (arc vs vllm:arc), where it has one.
-                ops_vs_vllm_same=_ratio(r.ops_per_s, vllm_ops.get(f"vllm:{r.policy}")),
-                of_belady=(r.hit_rate / belady) if belady else None,
-            )
-            rows.append(row)
-        ours = next((r for r in results if r.policy == DEFAULT_CACHE_POLICY), None)
-        gap = None
-        if ours is not None and vllm_best is not None and belady > vllm_best:
-            gap = (ours.hit_rate - vllm_best) / (belady - vllm_best)
-        real = [r for r in results if r.policy != ORACLE_ROW]
-        summary[label] = {
-            "capacity": cap,
-            "belady_hit_rate": belady,
-            "best_policy": max(real, key=lambda r: r.hit_rate).policy,
-            "best_hit_rate": max(r.hit_rate for r in real),
-            "vllm_best_hit_rate": vllm_best,
-            "default_hit_rate": ours.hit_rate if ours else None,
-            "default_gap_closed": gap,
-        }
+                progress(f"Belady @ {label}")
+            belady = belady_hit_rate(trace, cap)
+            results = []
+            for p in policies:
+                if progress:
+                    progress(f"{p} @ {label}")
+                _steady_heap()
+                results.append(replay(trace, p, cap, times, 1000.0 * lookahead_s))
+            if continuing is not None:
+                if progress:
+                    progress(f"{ORACLE_ROW} @ {label}")
+                _steady_heap()
+                r = replay(
+                    trace, DEFAULT_CACHE_POLICY, cap, times, 1000.0 * lookahead_s, True, continuing
+                )
+                r.policy = ORACLE_ROW
+                results.append(r)
+            for name in VLLM_ROWS if vllm_error is None else ():
+                if progress:
+                    progress(f"{name} @ {label}")
+                policy, threshold = offload_vllm.ROWS[name]
+                _steady_heap()
+                hits, ops, seconds, refused = offload_vllm.replay(trace, policy, cap, threshold)
+                results.append(ReplayResult(name, cap, blocks, hits, ops, seconds, refused))
+            theirs = [r for r in results if r.policy.startswith("vllm:")]
+            vllm_ops = {r.policy: r.ops_per_s for r in theirs}
+            vllm_best = max((r.hit_rate for r in theirs), default=None)
+            for r in results:
+                row = asdict(r)
+                row.update(
+                    label=label,
+                    hit_rate=r.hit_rate,
+                    ops_per_s=r.ops_per_s,
+                    ops_vs_vllm_lru=_ratio(r.ops_per_s, vllm_ops.get("vllm:lru")),
+                    # Against vLLM's policy of the same name (arc vs vllm:arc), where it has one.
+                    ops_vs_vllm_same=_ratio(r.ops_per_s, vllm_ops.get(f"vllm:{r.policy}")),
+                    of_belady=(r.hit_rate / belady) if belady else None,
+                )
+                rows.append(row)
+            ours = next((r for r in results if r.policy == DEFAULT_CACHE_POLICY), None)
+            gap = None
+            if ours is not None and vllm_best is not None and belady > vllm_best:
+                gap = (ours.hit_rate - vllm_best) / (belady - vllm_best)
+            real = [r for r in results if r.policy != ORACLE_ROW]
+            summary[label] = {
+                "capacity": cap,
+                "belady_hit_rate": belady,
+                "best_policy": max(real, key=lambda r: r.hit_rate).policy,
+                "best_hit_rate": max(r.hit_rate for r in real),
+                "vllm_best_hit_rate": vllm_best,
+                "default_hit_rate": ours.hit_rate if ours else None,
+                "default_gap_closed": gap,
+            }
+    finally:
+        gc.unfreeze()  # (frozen objects would outlive the run)
     return {
         "requests": len(trace),
         "blocks": blocks,
