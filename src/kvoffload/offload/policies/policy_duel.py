@@ -26,7 +26,9 @@ the best of the four arms:
   (relative, in decayed shadow hits), so noise does not move the keys back
   and forth;
 - it starts admitting all (plain chain LRU), and moves to a filter only on a
-  lead of ``switch_margin`` shadow hits, back to ALL on any lead: keys ALL
+  lead of ``switch_margin`` shadow hits, or when the real tier's first
+  sightings are evicted unread (``ArmsDuel._fates``), back to ALL on any lead
+  (on ``switch_margin`` after such a verdict): keys ALL
   let in on first sight and never read again are demoted to rejects when a
   filter takes over (else the filter, which evicts its rejects first, would
   keep them for good);
