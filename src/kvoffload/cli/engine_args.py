@@ -99,15 +99,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU-tier cache policy (default: queue_arms: blocks that queued requests need "
         "are kept, the one needed farthest ahead goes first, in front of a duel of sampled "
         "shadow tiers among chain-aware LRU admitting all, second sightings or a bimodal "
-        "trickle against loops, and ARC. On `kvoffload bench offload`, Mooncake synthetic "
+        "trickle against loops, and ARC; it leaves 'admit all' early where the tier's first "
+        "sightings are evicted unread. On `kvoffload bench offload`, Mooncake synthetic "
         "trace, 1-25%% tiers: with no hints at or above vLLM's lru, arc and "
-        "store_threshold=2 everywhere; a 5 s queue closes 18%% of the gap to Belady at "
+        "store_threshold=2 everywhere; a 5 s queue closes 19%% of the gap to Belady at "
         "1-10%%, a 30 s one 58%%; with a queue a loop is served as Belady serves it, "
-        "without one a loop twice the tier keeps 99%% of Belady's hits (vLLM's: none). "
-        "Mooncake conversation trace, no hints: 0.02 points below store_threshold=2 at 1%%, "
-        "at or above vLLM's best at 5-25%%; a 1,000-request slice of the arxiv trace: "
-        "0.1-0.5 points below store_threshold=2 at 5-25%% (the duel leaves 'admit all' "
-        "late). Where it trails on generated traces: README, Cache policy)",
+        "without one a loop twice the tier keeps 97-99%% of Belady's hits (vLLM's: none). "
+        "A 1,000-request slice of the real arxiv trace, no hints: above vLLM's best at "
+        "every size. Where it trails (generated agent, RAG and loop traces at some sizes; "
+        "the real conversation trace at 1%%): README, Cache policy)",
     )
     o.add_argument(
         "--disk-dir",
