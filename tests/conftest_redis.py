@@ -7,6 +7,7 @@ reason, only when no ``redis-server`` (or ``valkey-server``) binary is on PATH.
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -23,10 +24,32 @@ def find_server_binary() -> str | None:
     return shutil.which("redis-server") or shutil.which("valkey-server")
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for ``bind(0)`` (32768 when it does not say)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now on every interface, below the kernel's ephemeral range.
+
+    The caller binds it later (a redis-server, a vLLM engine's KV-event socket),
+    and any ``bind(0)`` in between could be handed the same port if it came from
+    the ephemeral range: a vLLM engine's own sockets once took the events port
+    that way ("Address already in use" at engine start, in CI)."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below {low} after 200 tries")
 
 
 def _ping(port: int) -> bool:
