@@ -311,6 +311,13 @@ def bench(
     continuing = session_continues(trace) if session_oracle else None
     rows: list[dict[str, object]] = []
     summary: dict[str, dict[str, object]] = {}
+
+    def timed_row(what: str) -> None:
+        """Before each timed replay: say which, and start it from a steady heap."""
+        if progress:
+            progress(what)
+        _steady_heap()
+
     try:
         for label, cap in caps:
             if progress:
@@ -318,24 +325,18 @@ def bench(
             belady = belady_hit_rate(trace, cap)
             results = []
             for p in policies:
-                if progress:
-                    progress(f"{p} @ {label}")
-                _steady_heap()
+                timed_row(f"{p} @ {label}")
                 results.append(replay(trace, p, cap, times, 1000.0 * lookahead_s))
             if continuing is not None:
-                if progress:
-                    progress(f"{ORACLE_ROW} @ {label}")
-                _steady_heap()
+                timed_row(f"{ORACLE_ROW} @ {label}")
                 r = replay(
                     trace, DEFAULT_CACHE_POLICY, cap, times, 1000.0 * lookahead_s, True, continuing
                 )
                 r.policy = ORACLE_ROW
                 results.append(r)
             for name in VLLM_ROWS if vllm_error is None else ():
-                if progress:
-                    progress(f"{name} @ {label}")
+                timed_row(f"{name} @ {label}")
                 policy, threshold = offload_vllm.ROWS[name]
-                _steady_heap()
                 hits, ops, seconds, refused = offload_vllm.replay(trace, policy, cap, threshold)
                 results.append(ReplayResult(name, cap, blocks, hits, ops, seconds, refused))
             theirs = [r for r in results if r.policy.startswith("vllm:")]

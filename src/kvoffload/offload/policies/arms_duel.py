@@ -100,12 +100,8 @@ class ArmsDuel(ArmsChainLRUPolicy):
 
     def access(self, keys: Sequence[OffloadKey]) -> None:
         self._reading = True
-        fresh = self._fresh
-        if fresh:
-            n = len(fresh)
-            fresh.difference_update(keys)
-            if n != len(fresh):
-                self._fates(n - len(fresh), 0)
+        if self._fresh:
+            self._leave_fresh(keys, True)
         self.observe_read(keys)
         rejects = self.rejects
         if not self._pinned_rejects and (not rejects or rejects.keys().isdisjoint(keys)):
@@ -126,13 +122,21 @@ class ArmsDuel(ArmsChainLRUPolicy):
     def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
         self._reading = False
         victims = super().evict(n, incoming)
-        fresh = self._fresh
-        if fresh and victims:
-            k = len(fresh)
-            fresh.difference_update(victims)
-            if k != len(fresh):
-                self._fates(0, k - len(fresh))
+        if victims and self._fresh:
+            self._leave_fresh(victims, False)
         return victims
+
+    def _leave_fresh(self, keys: Sequence[OffloadKey], read: bool) -> None:
+        """``keys`` were read (``read``) or evicted: those of them still fresh leave
+        ``_fresh``, counted as that fate."""
+        fresh = self._fresh
+        before = len(fresh)
+        fresh.difference_update(keys)
+        left = before - len(fresh)
+        if left and read:
+            self._fates(left, 0)
+        elif left:
+            self._fates(0, left)
 
     def _fates(self, useful: int, wasted: int) -> None:
         """Count keys admitted on first sight that were read again (``useful``) or
