@@ -46,7 +46,18 @@ def test_run_against_a_silent_redis_warns_once_and_serves(
 def test_run_against_an_evicting_redis_completes(
     redis_server_factory: RedisServerFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    server = redis_server_factory(maxmemory="1mb", maxmemory_policy="allkeys-lru")
+    import redis
+
+    # 1 MiB above what the empty server uses (its blocks come to about 4 MiB): a fixed
+    # 1mb left 84 KB over a 964 KB baseline, and where a build's baseline or the tier's
+    # connections took more, the first write was refused with no key to evict.
+    server = redis_server_factory(maxmemory_policy="allkeys-lru")
+    baseline = int(server.info("memory")["used_memory"])  # type: ignore[call-overload]
+    client = redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=2)
+    try:
+        client.config_set("maxmemory", baseline + (1 << 20))
+    finally:
+        client.close()
     argv = ["run", "--requests", "48", "--cpu-blocks", "32", "--redis-url", server.url]
     assert main(argv) == 0, capsys.readouterr().err
     assert int(server.info("stats")["evicted_keys"]) > 0  # type: ignore[call-overload]
