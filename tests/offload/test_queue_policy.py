@@ -165,6 +165,22 @@ def test_continue_marks_are_a_soft_priority() -> None:
     assert set(store(m, keys(12, 13, 14))) == {key(10), key(11), key(1)}
 
 
+def test_a_continue_mark_outlives_the_queued_request_that_also_held_the_key() -> None:
+    # 2 is held for "q" when its conversation is marked as continuing; "q" leaving the
+    # queue ends the hold, not the mark: 2 stays protected over the unmarked keys.
+    m = CPUOffloadingManager(4, "queue_arms")
+    store(m, keys(1, 2, 3, 4))
+    m.hint_queued("q", keys(2))
+    m.hint_continues(keys(2))
+    m.hint_dequeued("q")
+    p = policy_of(m)
+    assert not p.is_held(key(2)) and key(2) in p._marked
+    for k in (1, 3, 4):  # 2 becomes the least recent key: only its mark keeps it
+        m.touch(keys(k))
+    assert store(m, keys(10)) == keys(1)
+    assert key(2) not in store(m, keys(11, 12))
+
+
 def test_continue_marks_keep_at_most_half_the_tier() -> None:
     p = QueueArmsPolicy(8)
     p.insert(keys(*range(8)))
