@@ -174,6 +174,14 @@ class ModelConfig:
         Raises ``ValueError`` for an unsupported architecture or option, or a
         missing key.
         """
+        # Before the architecture check: a Gemma 3 or a Qwen3-Next should hear what
+        # it has that this engine cannot run, not only that its name is unknown.
+        hybrid = hybrid_layers(hf)
+        if hybrid is not None:
+            raise ValueError(
+                f"hybrid model: kvoffload's reference engine runs full-attention layers only, "
+                f"not {hybrid} (serve it with vLLM and kvoffload's connector, docs/vllm.md)"
+            )
         archs = hf.get("architectures") or []
         if isinstance(archs, str):
             archs = [archs]
@@ -196,8 +204,6 @@ class ModelConfig:
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
-        if hf.get("use_sliding_window"):
-            raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
         kv_heads = int(hf.get("num_key_value_heads") or heads)
@@ -282,6 +288,95 @@ class ModelConfig:
         d = asdict(self)
         d["rope_scaling"] = self.rope_scaling_dict
         return d
+
+
+#: ``layer_types`` entries that are plain causal attention over the whole sequence.
+_FULL_ATTENTION_KINDS = frozenset({"full_attention", "attention", "global", "full"})
+#: ``config.json`` keys that only Mamba / SSM / linear-attention / convolution layers have.
+_RECURRENT_KEYS: tuple[str, ...] = (
+    "hybrid_override_pattern",  # Nemotron-H
+    "layers_block_type",  # Zamba, Zamba 2
+    "attn_layer_period",  # Jamba
+    "attn_type_list",  # MiniMax
+    "linear_num_value_heads",  # Qwen3-Next
+    "linear_conv_kernel_dim",
+    "mamba_d_state",  # Granite 4, Falcon-H1, Bamba, Jamba, Nemotron-H
+    "mamba_d_ssm",
+    "mamba_expand",
+    "ssm_state_size",
+    "conv_L_cache",  # LFM2
+    "lru_width",  # RecurrentGemma
+)
+#: Model types made of recurrent layers only, or that mix them with attention.
+_RECURRENT_MODEL_TYPES = frozenset(
+    {
+        "mamba", "mamba2", "falcon_mamba", "jamba", "bamba", "zamba", "zamba2", "falcon_h1",
+        "nemotron_h", "granitemoehybrid", "qwen3_next", "lfm2", "minimax", "plamo2",
+        "recurrent_gemma", "rwkv",
+    }
+)  # fmt: skip
+
+
+def hybrid_layers(hf: Mapping[str, Any]) -> str | None:
+    """What in a ``config.json`` the reference engine cannot run, in words; None if nothing.
+
+    The reference engine runs one kind of layer: causal attention over the
+    whole sequence (one KV cache group). A config is *hybrid* for it when any
+    layer is something else: sliding-window attention (``layer_types`` with a
+    sliding kind, ``use_sliding_window=true``, or a ``sliding_window`` /
+    ``sliding_window_pattern`` where no ``use_sliding_window`` switches it off,
+    as Mistral, Gemma 2 / 3, Cohere 2 and gpt-oss write it), chunked local
+    attention (Llama 4's ``attention_chunk_size``), or Mamba / SSM /
+    linear-attention / convolution layers. A multimodal config's
+    ``text_config`` is read too. Qwen2's ``sliding_window`` beside
+    ``use_sliding_window=false`` is not hybrid (every layer is full attention).
+    """
+    found: list[str] = []
+    configs = [hf]
+    if isinstance(hf.get("text_config"), Mapping):
+        configs.append(hf["text_config"])
+    for cfg in configs:
+        found.extend(_hybrid_reasons(cfg))
+    return "; ".join(dict.fromkeys(found)) if found else None
+
+
+def _hybrid_reasons(cfg: Mapping[str, Any]) -> list[str]:
+    reasons: list[str] = []
+    window = cfg.get("sliding_window")
+    at = f", window {window}" if window else ""
+    kinds = cfg.get("layer_types")
+    other: dict[str, int] = {}
+    if isinstance(kinds, (list, tuple)):
+        for kind in kinds:
+            if str(kind) not in _FULL_ATTENTION_KINDS:
+                other[str(kind)] = other.get(str(kind), 0) + 1
+    if other:
+        listed = ", ".join(f"{n} {kind}" for kind, n in other.items())
+        what = (
+            "sliding-window attention"
+            if all("sliding" in kind for kind in other)
+            else f"{' / '.join(k for k in other if 'sliding' not in k)} layers"
+        )
+        reasons.append(f"{what} (layer_types: {listed} of {len(kinds)} layers{at})")
+    elif cfg.get("use_sliding_window"):
+        reasons.append(f"sliding-window attention (use_sliding_window=true{at})")
+    elif "use_sliding_window" not in cfg and (
+        window or cfg.get("sliding_window_pattern") or cfg.get("interleaved_sliding_window")
+    ):
+        pattern = cfg.get("sliding_window_pattern")
+        every = f", pattern {pattern}" if pattern else ""
+        reasons.append(f"sliding-window attention (sliding_window={window}{every})")
+    if cfg.get("attention_chunk_size"):
+        reasons.append(
+            f"chunked local attention (attention_chunk_size={cfg['attention_chunk_size']})"
+        )
+    keys = [k for k in _RECURRENT_KEYS if cfg.get(k) is not None]
+    model_type = cfg.get("model_type")
+    if keys or model_type in _RECURRENT_MODEL_TYPES:
+        named = f"model_type {model_type!r}" if model_type in _RECURRENT_MODEL_TYPES else ""
+        named = ", ".join(x for x in (named, *keys[:2]) if x)
+        reasons.append(f"Mamba / SSM / linear-attention layers ({named})")
+    return reasons
 
 
 def _rope_scaling_items(value: Any) -> tuple[tuple[str, Any], ...] | None:
