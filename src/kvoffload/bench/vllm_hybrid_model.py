@@ -1,0 +1,136 @@
+"""Tiny random *hybrid* models that a real vLLM engine loads offline, on a CPU.
+
+``gemma3``: a Gemma 3 text model (``Gemma3ForCausalLM``), 4 layers alternating
+sliding-window (window ``WINDOW`` = 32 tokens) and full attention, hidden 128,
+4 attention heads over 2 KV heads of 32 (vLLM's CPU attention needs a head
+size of at least 32). vLLM builds two KV cache groups for it (a
+``SlidingWindowSpec`` group and a ``FullAttentionSpec`` group of 2 layers
+each), so it exercises every per-group path of an offloading connector.
+
+Like ``kvoffload.bench.vllm_model`` (the tiny Llama): vocabulary 2048 with a
+word-level tokenizer (one word per token id), weights from a fixed seed with
+a wide initialisation so that each next-token distribution has a clear
+winner and greedy outputs depend on the KV they attend to (a wrong KV block
+shows as different tokens) rather than on float rounding between batch
+shapes. Two seeds give two models of the same shapes.
+
+Needs ``transformers`` and ``tokenizers`` (vLLM depends on both); run it
+with the engine venv's Python: ``python -m kvoffload.bench.vllm_hybrid_model DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvoffload.bench.vllm_model import FIRST_WORD_ID, VOCAB_SIZE
+
+DEFAULT_SEED = 0
+#: Tokens a sliding-window layer attends to (one 32-token block of vLLM's CPU backend).
+WINDOW = 32
+NUM_LAYERS = 4
+#: ``layer_types``: sliding and full attention alternating, sliding first (as Gemma 3 orders them).
+LAYER_TYPES = tuple(
+    "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(NUM_LAYERS)
+)
+HEAD_DIM = 32
+NUM_KV_HEADS = 2
+#: Bytes of one 32-token block of ONE layer's K and V in float32 (a group's page holds
+#: one such block per layer of the group).
+LAYER_BLOCK_BYTES = 2 * NUM_KV_HEADS * HEAD_DIM * 32 * 4
+ARCHITECTURES = ("gemma3",)
+#: Written last: a directory holding it is complete.
+MARKER = "kvoffload-tiny-hybrid.json"
+
+
+def model_is_complete(path: Path) -> bool:
+    return (Path(path) / MARKER).is_file()
+
+
+def gemma3_config_kwargs() -> dict[str, Any]:
+    """``Gemma3TextConfig`` arguments of the tiny model (also what its config.json holds)."""
+    return {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": 4,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "max_position_embeddings": 4096,
+        "sliding_window": WINDOW,
+        "layer_types": list(LAYER_TYPES),
+        # 1/sqrt(head_dim), as attention usually scales: q and k are RMS-normed in
+        # Gemma 3, so a wider init alone would not sharpen the scores.
+        "query_pre_attn_scalar": HEAD_DIM,
+        "initializer_range": 0.25,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
+def _write_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    words.update({f"w{i}": i for i in range(FIRST_WORD_ID, VOCAB_SIZE)})
+    tokenizer = Tokenizer(WordLevel(vocab=words, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="<unk>",
+        pad_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        model_max_length=4096,
+    )
+    fast.save_pretrained(out)
+
+
+def make_tiny_hybrid(path: str | Path, arch: str = "gemma3", seed: int = DEFAULT_SEED) -> Path:
+    """Write the model and tokenizer to ``path`` (idempotent: a finished directory is kept)."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown hybrid architecture {arch!r}; known: {', '.join(ARCHITECTURES)}")
+    out = Path(path)
+    if model_is_complete(out):
+        return out
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = Gemma3TextConfig(**gemma3_config_kwargs())
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, config.initializer_range, generator=generator)
+    model.save_pretrained(out, safe_serialization=True)
+    _write_tokenizer(out)
+    marker = {"arch": arch, "seed": seed, "vocab_size": VOCAB_SIZE, "window": WINDOW}
+    (out / MARKER).write_text(json.dumps(marker) + "\n")
+    return out
+
+
+def main() -> int:  # pragma: no cover - a convenience for the command line
+    import argparse
+
+    parser = argparse.ArgumentParser(description="write a tiny random hybrid model")
+    parser.add_argument("path")
+    parser.add_argument("--arch", choices=ARCHITECTURES, default="gemma3")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    args = parser.parse_args()
+    print(make_tiny_hybrid(args.path, args.arch, args.seed))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
