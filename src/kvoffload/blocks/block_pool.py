@@ -13,15 +13,35 @@ an allocation reuses blocks that hold nothing before it evicts any cached
 one. Callers free a request's blocks tail first (``free_request_blocks`` does
 it), so within a chain the last block is evicted before its parents: a kept
 head is still a usable prefix, a kept tail without its head is not.
+
+KV events (``enable_kv_cache_events``) describe the *set* of hashes the GPU
+tier holds (``events_mode="exact"``, the default): ``BlockStored`` when a
+hash gets its first copy, ``BlockRemoved`` when its last copy is evicted.
+Two requests that computed the same block hold two copies; evicting one is
+silent. The copy count of a hash is the size of its entry in
+``cached_block_hash_to_block`` (a block, or a dict of blocks once
+duplicated), so the rule costs no scan. ``events_mode="per-copy"`` is vLLM
+0.33's stream: one store per cached block and one removal per evicted
+block, for consumers that reference-count. ``event_listeners`` see the
+exact stream in both modes (the self-describing tracker of the offloaded
+tiers learns block metadata from it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvoffload.blocks.free_queue import FreeKVCacheBlockQueue
 from kvoffload.blocks.kv_cache_block import KVCacheBlock
-from kvoffload.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvoffload.events import (
+    EVENTS_EXACT,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    check_events_mode,
+)
 from kvoffload.hashing import BlockHash, block_extra_keys, event_extra_keys
 
 
@@ -33,6 +53,7 @@ class BlockPool:
         num_blocks: int,
         enable_caching: bool = True,
         enable_kv_cache_events: bool = False,
+        events_mode: str = EVENTS_EXACT,
     ) -> None:
         if not isinstance(num_blocks, int) or num_blocks < 2:
             raise ValueError(
@@ -41,6 +62,11 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
+        self.events_mode = check_events_mode(events_mode)
+        self._per_copy = events_mode != EVENTS_EXACT
+        # Called with every exact-stream event as it happens (both modes), while
+        # events are enabled; see the module docstring.
+        self.event_listeners: list[Callable[[KVEvent], None]] = []
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         # hash -> block, or hash -> {block_id: block} once duplicates exist; the
@@ -91,8 +117,9 @@ class BlockPool:
                 f"cache_full_blocks: {num_full_blocks} full blocks but {len(blocks)} blocks "
                 f"and {len(block_hashes)} hashes"
             )
-        new_hashes: list[bytes] = []
         table = self.cached_block_hash_to_block
+        # Indices of blocks whose hash had no copy before: the exact stream's stores.
+        first_copies: list[int] = []
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null:
@@ -104,50 +131,86 @@ class BlockPool:
             entry = table.get(block_hash)
             if entry is None:
                 table[block_hash] = block
+                first_copies.append(i)
             elif isinstance(entry, KVCacheBlock):
                 table[block_hash] = {entry.block_id: entry, block.block_id: block}
             else:
                 entry[block.block_id] = block
-            new_hashes.append(block_hash)
-        if self.enable_kv_cache_events and new_hashes:
-            parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
-            tokens = (
-                list(token_ids[num_cached_blocks * block_size : num_full_blocks * block_size])
+        if not self.enable_kv_cache_events:
+            return
+        request = (block_hashes, block_size, token_ids, lora_id, lora_name, cache_salt)
+        exact: list[KVEvent] = []
+        run_start = prev = -2
+        for i in (*first_copies, -1):
+            if i != prev + 1:
+                if run_start >= 0:
+                    exact.append(self._stored_event(request, range(run_start, prev + 1)))
+                run_start = i
+            prev = i
+        if self._per_copy:
+            copies = [i for i in range(num_cached_blocks, num_full_blocks) if not blocks[i].is_null]
+            if copies:
+                # vLLM's layout: one event over the whole range, null blocks' tokens included.
+                event = self._stored_event(request, range(num_cached_blocks, num_full_blocks))
+                event.block_hashes = [block_hashes[i] for i in copies]
+                event.extra_keys = [
+                    event_extra_keys(block_extra_keys(i, lora_name, cache_salt)) for i in copies
+                ]
+                self.kv_event_queue.append(event)
+        else:
+            self.kv_event_queue.extend(exact)
+        for listener in self.event_listeners:
+            for event in exact:
+                listener(event)
+
+    @staticmethod
+    def _stored_event(
+        request: tuple[
+            Sequence[BlockHash], int, Sequence[int] | None, int | None, str | None, str | None
+        ],
+        indices: range,
+    ) -> BlockStored:
+        """``BlockStored`` of the request's blocks ``indices`` (consecutive, chained)."""
+        block_hashes, block_size, token_ids, lora_id, lora_name, cache_salt = request
+        first, end = indices.start, indices.stop
+        return BlockStored(
+            block_hashes=[block_hashes[i] for i in indices],
+            parent_block_hash=block_hashes[first - 1] if first > 0 else None,
+            token_ids=(
+                list(token_ids[first * block_size : end * block_size])
                 if token_ids is not None
                 else []
-            )
-            self.kv_event_queue.append(
-                BlockStored(
-                    block_hashes=new_hashes,
-                    parent_block_hash=parent,
-                    token_ids=tokens,
-                    block_size=block_size,
-                    lora_id=lora_id,
-                    medium=MEDIUM_GPU,
-                    lora_name=lora_name,
-                    extra_keys=[
-                        event_extra_keys(block_extra_keys(i, lora_name, cache_salt))
-                        for i in range(num_cached_blocks, num_full_blocks)
-                        if not blocks[i].is_null
-                    ],
-                )
-            )
+            ),
+            block_size=block_size,
+            lora_id=lora_id,
+            medium=MEDIUM_GPU,
+            lora_name=lora_name,
+            extra_keys=[
+                event_extra_keys(block_extra_keys(i, lora_name, cache_salt)) for i in indices
+            ],
+        )
 
     def _evict_cached_hash(self, block: KVCacheBlock) -> bool:
+        """Drop ``block``'s hash from the cache; True when it was the hash's last copy."""
         block_hash = block.block_hash
         if block_hash is None:
             return False
         table = self.cached_block_hash_to_block
         entry = table.get(block_hash)
+        last = False
         if isinstance(entry, KVCacheBlock):
             if entry is block:
                 del table[block_hash]
+                last = True
         elif entry is not None:
             entry.pop(block.block_id, None)
             if len(entry) == 1:
                 table[block_hash] = next(iter(entry.values()))
+            elif not entry:
+                del table[block_hash]
+                last = True
         block.block_hash = None
-        return True
+        return last
 
     # -- allocation ---------------------------------------------------------
 
@@ -162,16 +225,26 @@ class BlockPool:
                 f"{self.free_block_queue.num_free_blocks} free"
             )
         blocks = self.free_block_queue.popleft_n(num_blocks)
-        evicted: list[bytes] = []
+        copies: list[bytes] = []  # every evicted copy (per-copy stream)
+        last: list[bytes] = []  # hashes whose last copy left (exact stream)
         for block in blocks:
-            if block.block_hash is not None:
-                evicted.append(block.block_hash)  # type: ignore[arg-type]
-                self._evict_cached_hash(block)
+            block_hash = block.block_hash
+            if block_hash is not None:
+                copies.append(block_hash)
+                if self._evict_cached_hash(block):
+                    last.append(block_hash)
             block.ref_cnt += 1
             block.alloc_epoch += 1
         self.num_allocated_total += num_blocks
-        if evicted and self.enable_kv_cache_events:
-            self.kv_event_queue.append(BlockRemoved(block_hashes=evicted, medium=MEDIUM_GPU))
+        if copies and self.enable_kv_cache_events:
+            removed = BlockRemoved(block_hashes=last, medium=MEDIUM_GPU) if last else None
+            if self._per_copy:
+                self.kv_event_queue.append(BlockRemoved(block_hashes=copies, medium=MEDIUM_GPU))
+            elif removed is not None:
+                self.kv_event_queue.append(removed)
+            if removed is not None:
+                for listener in self.event_listeners:
+                    listener(removed)
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -219,7 +292,10 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         if self.enable_kv_cache_events:
-            self.kv_event_queue.append(AllBlocksCleared())
+            cleared = AllBlocksCleared()
+            self.kv_event_queue.append(cleared)
+            for listener in self.event_listeners:
+                listener(cleared)
         return True
 
     # -- introspection ------------------------------------------------------

@@ -152,6 +152,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.events_format,
         help="wire profile of published events: vllm (0.33's) or legacy (positional)",
     )
+    e.add_argument(
+        "--events-mode",
+        choices=("exact", "per-copy"),
+        default=d.events_mode,
+        help="exact: each tier's events describe the set of hashes it holds (a router keeps "
+        "one entry per hash); per-copy: vLLM's one event per cached or evicted GPU copy",
+    )
+    e.add_argument(
+        "--events-self-describing",
+        action=argparse.BooleanOptionalAction,
+        default=d.events_self_describing,
+        help="CPU and disk stores carry token ids, parent hash and block size (vLLM's "
+        "self_describing_kv_events), so a router indexes every tier",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> EngineConfig:
@@ -179,6 +193,8 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
             "events_endpoint",
             "events_replay_endpoint",
             "events_format",
+            "events_mode",
+            "events_self_describing",
             "hash_seed",
             "num_threads",
         )

@@ -1,35 +1,347 @@
-"""Secondary-tier ``OffloadingEvent``s as router-facing KV events."""
+"""Secondary-tier ``OffloadingEvent``s as router-facing KV events.
+
+:class:`OffloadEventDescriber` is the connector's translator. It follows the
+rule of ``kvoffload.events``: per tier (medium) and per KV cache group, the
+stream it emits is the *set* of offloaded blocks held. A store of a key the
+tier already holds, or a removal of a key it does not, is not announced
+again, whatever a manager reports.
+
+Self-describing stores (``self_describing=True``, vLLM 0.33's
+``self_describing_kv_events``): a store carries the offloaded block's GPU
+block hashes (``block_size_factor`` of them, chained), its parent hash,
+tokens, GPU ``block_size``, LoRA and extra keys, and the group's
+``kv_cache_spec_kind`` / ``kv_cache_spec_sliding_window``; its removal fans
+out to the same hashes. The payload is learnt from the GPU tier's exact
+event stream (``observe``, a ``BlockPool`` event listener) while the GPU
+holds the blocks, snapshotted per key when a tier first holds it and kept
+while any tier holds it (then in a bounded "recently left" map, because a
+write-back store to disk may be announced after the CPU dropped the key).
+A key whose payload is unknown (a disk block from an earlier run) is
+announced as vLLM's placeholder: its one hash, ``block_size=0``, no tokens.
+
+Without self-description, stores carry ``block_size=0`` and no tokens (a
+router takes them from the GPU tier's events). ``group_idx`` None is group
+0 (``kvoffload.events.types``: the wire always sends the number).
+
+The shared remote tier's events carry ``ownership`` (see
+``kvoffload.events``) when the manager names one (``event_ownership``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-from kvoffload.events import BlockRemoved, BlockStored, KVEvent
-from kvoffload.offload.base import OffloadingEvent, offload_key_block_hash
+from kvoffload.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvoffload.offload.base import (
+    OffloadingEvent,
+    OffloadKey,
+    offload_key_block_hash,
+    offload_key_group_idx,
+)
+
+#: ``kv_cache_spec_kind`` of kvoffload's own engine's one group (vLLM's name).
+FULL_ATTENTION = "full_attention"
+#: Payloads of keys no tier holds any more, kept for late announcements.
+RECENTLY_LEFT = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """The static description of a KV cache group that its store events carry."""
+
+    kind: str | None = FULL_ATTENTION
+    sliding_window: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _BlockMeta:
+    """One GPU block's event payload (learnt from the GPU tier's ``BlockStored``)."""
+
+    parent: bytes | None
+    tokens: tuple[int, ...]
+    extra_keys: tuple[Any, ...] | None
+    block_size: int
+    lora_id: int | None
+    lora_name: str | None
+
+
+@dataclass(slots=True)
+class _Payload:
+    """An offloaded block's store payload; ``hashes`` end with the key's own hash."""
+
+    hashes: list[bytes]
+    parent: bytes | None
+    tokens: list[int]
+    extra_keys: list[tuple[Any, ...] | None]
+    block_size: int
+    lora_id: int | None
+    lora_name: str | None
+
+
+@dataclass(slots=True)
+class _Held:
+    """Which tiers hold a key, and its payload (None: placeholder)."""
+
+    payload: _Payload | None
+    media: set[str] = field(default_factory=set)
+
+
+class OffloadEventDescriber:
+    """Translates ``OffloadingEvent``s into KV events (module docstring).
+
+    Invariant: ``_held`` has an entry exactly for the keys some tier holds
+    (as announced), so memory is bounded by the tiers' holdings plus
+    ``RECENTLY_LEFT`` payloads and the GPU tier's cached blocks.
+    """
+
+    def __init__(
+        self,
+        block_size_factor: int = 1,
+        self_describing: bool = False,
+        group_specs: Mapping[int, GroupSpec] | None = None,
+        ownership: Mapping[str, str] | None = None,
+    ) -> None:
+        if block_size_factor <= 0:
+            raise ValueError(f"block_size_factor must be positive, got {block_size_factor}")
+        self.factor = block_size_factor
+        self.self_describing = self_describing
+        self.group_specs: dict[int, GroupSpec] = dict(group_specs or {0: GroupSpec()})
+        #: medium -> ``ownership`` its events carry (the shared remote tier's id).
+        self.ownership: dict[str, str] = dict(ownership or {})
+        self._gpu: dict[bytes, _BlockMeta] = {}
+        self._gpu_left: set[bytes] = set()
+        self._held: dict[OffloadKey, _Held] = {}
+        self._left: OrderedDict[OffloadKey, _Payload] = OrderedDict()
+
+    # -- the GPU tier's exact stream --------------------------------------------
+
+    def observe(self, event: KVEvent) -> None:
+        """A GPU-tier event (``BlockPool.event_listeners``): learn or forget payloads."""
+        if not self.self_describing:
+            return
+        if isinstance(event, BlockStored):
+            parent = event.parent_block_hash
+            bs = event.block_size
+            extras = event.extra_keys or []
+            for i, h in enumerate(event.block_hashes):
+                self._gpu[h] = _BlockMeta(  # type: ignore[index]
+                    parent,  # type: ignore[arg-type]
+                    tuple(event.token_ids[i * bs : (i + 1) * bs]),
+                    extras[i] if i < len(extras) else None,
+                    bs,
+                    event.lora_id,
+                    event.lora_name,
+                )
+                self._gpu_left.discard(h)  # type: ignore[arg-type]
+                parent = h
+        elif isinstance(event, BlockRemoved):
+            # Forgotten only after the next translation: a store of these blocks
+            # may be announced in the same step, after the GPU dropped them.
+            self._gpu_left.update(event.block_hashes)  # type: ignore[arg-type]
+        elif isinstance(event, AllBlocksCleared):
+            self._gpu_left.update(self._gpu)
+
+    def _from_gpu(self, key: OffloadKey) -> _Payload | None:
+        chain: list[bytes] = []
+        metas: list[_BlockMeta] = []
+        h: bytes | None = offload_key_block_hash(key)
+        for _ in range(self.factor):
+            meta = self._gpu.get(h) if h is not None else None
+            if meta is None:
+                return None
+            chain.append(h)  # type: ignore[arg-type]
+            metas.append(meta)
+            h = meta.parent
+        chain.reverse()
+        metas.reverse()
+        first = metas[0]
+        return _Payload(
+            chain,
+            first.parent,
+            [t for m in metas for t in m.tokens],
+            [m.extra_keys for m in metas],
+            first.block_size,
+            first.lora_id,
+            first.lora_name,
+        )
+
+    # -- translation -------------------------------------------------------------
+
+    def translate(self, events: Iterable[OffloadingEvent]) -> list[KVEvent]:
+        """KV events for ``events`` (in order), announcing only changes of each tier's set."""
+        out: list[KVEvent] = []
+        emptied: list[OffloadKey] = []
+        for ev in events:
+            medium = ev.medium
+            if ev.removed:
+                by_group: dict[int, list[bytes | int]] = {}
+                for key in ev.keys:
+                    held = self._held.get(key)
+                    if held is None or medium not in held.media:
+                        continue
+                    held.media.discard(medium)
+                    if not held.media:
+                        emptied.append(key)
+                    hashes = held.payload.hashes if held.payload else [offload_key_block_hash(key)]
+                    by_group.setdefault(offload_key_group_idx(key), []).extend(hashes)
+                for group, hashes in by_group.items():
+                    out.append(self._removed(hashes, medium, group))
+                continue
+            for key in ev.keys:
+                held = self._held.get(key)
+                if held is None:
+                    payload = self._left.pop(key, None)
+                    if payload is None and self.self_describing:
+                        payload = self._from_gpu(key)
+                    held = self._held[key] = _Held(payload)
+                if medium in held.media:
+                    continue
+                held.media.add(medium)
+                group = offload_key_group_idx(key)
+                if not self._extends(out, held.payload, medium, group, offload_key_block_hash(key)):
+                    out.append(self._stored(key, held.payload, medium))
+        for key in emptied:
+            held = self._held.get(key)
+            if held is not None and not held.media:
+                del self._held[key]
+                if held.payload is not None:
+                    self._left[key] = held.payload
+        while len(self._left) > RECENTLY_LEFT:
+            self._left.popitem(last=False)
+        for h in self._gpu_left:
+            self._gpu.pop(h, None)
+        self._gpu_left.clear()
+        return out
+
+    @staticmethod
+    def _extends(
+        out: list[KVEvent], payload: _Payload | None, medium: str, group: int, key_hash: bytes
+    ) -> bool:
+        """Append ``payload`` to the last event when it continues that event's chain.
+
+        One event per chain run, as the GPU tier sends them: fewer, larger
+        events for a router to apply.
+        """
+        if not out:
+            return False
+        last = out[-1]
+        if payload is None:
+            # Placeholders of one manager event travel together, as they always did.
+            if (
+                isinstance(last, BlockStored)
+                and last.medium == medium
+                and (last.group_idx or 0) == group
+                and last.block_size == 0
+                and not last.token_ids
+            ):
+                last.block_hashes.append(key_hash)
+                return True
+            return False
+        if not (
+            isinstance(last, BlockStored)
+            and last.medium == medium
+            and (last.group_idx or 0) == group
+            and last.block_size == payload.block_size
+            and last.token_ids
+            and last.block_hashes[-1] == payload.parent
+            and last.lora_name == payload.lora_name
+            and last.lora_id == payload.lora_id
+            and last.extra_keys is not None
+        ):
+            return False
+        last.block_hashes.extend(payload.hashes)
+        last.token_ids.extend(payload.tokens)
+        last.extra_keys.extend(payload.extra_keys)
+        return True
+
+    def _stored(self, key: OffloadKey, payload: _Payload | None, medium: str) -> BlockStored:
+        group = offload_key_group_idx(key) or None  # None: group 0, as the wire sends it
+        spec = self.group_specs.get(group or 0) if self.self_describing else None
+        if payload is None:
+            event = BlockStored(
+                block_hashes=[offload_key_block_hash(key)],
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=0,
+                lora_id=None,
+                medium=medium,
+                group_idx=group,
+            )
+        else:
+            event = BlockStored(
+                block_hashes=list(payload.hashes),
+                parent_block_hash=payload.parent,
+                token_ids=list(payload.tokens),
+                block_size=payload.block_size,
+                lora_id=payload.lora_id,
+                medium=medium,
+                lora_name=payload.lora_name,
+                extra_keys=list(payload.extra_keys),
+                group_idx=group,
+            )
+        if spec is not None:
+            event.kv_cache_spec_kind = spec.kind
+            event.kv_cache_spec_sliding_window = spec.sliding_window
+        event.ownership = self.ownership.get(medium)
+        return event
+
+    def _removed(self, hashes: list[bytes | int], medium: str, group: int) -> BlockRemoved:
+        return BlockRemoved(
+            block_hashes=hashes,
+            medium=medium,
+            group_idx=group or None,
+            ownership=self.ownership.get(medium),
+        )
+
+    def reset(self) -> None:
+        """Forget every payload (a tier reset announces its removals first)."""
+        self._held.clear()
+        self._left.clear()
+
+
+def tier_ownership(manager: object) -> dict[str, str]:
+    """medium -> ``event_ownership`` of the manager's lower tiers that name one."""
+    out: dict[str, str] = {}
+    for tier in getattr(manager, "lower", ()) or ():
+        owner = getattr(tier, "event_ownership", None)
+        if owner:
+            out[tier.medium] = owner
+    return out
 
 
 def offloading_events_to_kv_events(events: Iterable[OffloadingEvent]) -> list[KVEvent]:
-    """``BlockStored`` / ``BlockRemoved`` with the tier as ``medium``.
+    """Stateless translation: ``BlockStored`` / ``BlockRemoved`` with the tier as ``medium``.
 
     Stored events carry ``block_size=0`` and no tokens or parent: a router
-    already has those from the GPU tier's event for the same hashes.
+    already has those from the GPU tier's event for the same hashes. Every
+    event is passed on (the manager's own stream); the connector uses
+    :class:`OffloadEventDescriber`, which also keeps each tier's set exact.
     """
     out: list[KVEvent] = []
     for ev in events:
-        hashes: list[bytes | int] = [offload_key_block_hash(k) for k in ev.keys]
-        if not hashes:
+        if not ev.keys:
             continue
-        if ev.removed:
-            out.append(BlockRemoved(block_hashes=hashes, medium=ev.medium))
-        else:
-            out.append(
-                BlockStored(
-                    block_hashes=hashes,
-                    parent_block_hash=None,
-                    token_ids=[],
-                    block_size=0,
-                    lora_id=None,
-                    medium=ev.medium,
+        by_group: dict[int, list[bytes | int]] = {}
+        for k in ev.keys:
+            by_group.setdefault(offload_key_group_idx(k), []).append(offload_key_block_hash(k))
+        for group, hashes in by_group.items():
+            if ev.removed:
+                out.append(
+                    BlockRemoved(block_hashes=hashes, medium=ev.medium, group_idx=group or None)
                 )
-            )
+            else:
+                out.append(
+                    BlockStored(
+                        block_hashes=hashes,
+                        parent_block_hash=None,
+                        token_ids=[],
+                        block_size=0,
+                        lora_id=None,
+                        medium=ev.medium,
+                        group_idx=group or None,
+                    )
+                )
     return out

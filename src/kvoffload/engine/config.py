@@ -51,6 +51,12 @@ class EngineConfig:
     events_replay_endpoint: str | None = None
     events_topic: str | None = None  # None = the publisher's default (vLLM's: "")
     events_format: str = "vllm"  # wire profile: "vllm" (0.33's) or "legacy"
+    # "exact": each tier's stream is the set of hashes it holds; "per-copy": vLLM's
+    # one event per cached / evicted GPU copy (see kvoffload.events).
+    events_mode: str = "exact"
+    # Offloaded tiers' stores carry token ids, parent, block size, LoRA and extra keys
+    # (vLLM 0.33's self_describing_kv_events), so a router indexes every tier.
+    events_self_describing: bool = True
     # Verification: keep every sampled logits row on its RequestOutput (costs a
     # vocab-sized copy per token; off by default).
     record_logits: bool = False
@@ -101,12 +107,16 @@ class EngineConfig:
             raise ValueError("EngineConfig.disk_bytes needs disk_dir (the disk tier's directory)")
         if self.has_lower_tiers:
             self.tier_config()  # checks the lower tiers' settings now, before any work
-        from kvoffload.events.types import check_profile
+        from kvoffload.events.types import check_events_mode, check_profile
 
         try:
             check_profile(self.events_format)
         except ValueError as exc:
             raise ValueError(f"EngineConfig.events_format: {exc}") from None
+        try:
+            check_events_mode(self.events_mode)
+        except ValueError as exc:
+            raise ValueError(f"EngineConfig.events_mode: {exc}") from None
 
     @property
     def has_lower_tiers(self) -> bool:

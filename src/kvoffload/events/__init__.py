@@ -1,6 +1,32 @@
 """KV events: types, the two wire profiles ("vllm", the default, and "legacy"),
 and the ZMQ publisher/subscriber.
 
+What the events mean (the rule every producer in kvoffload follows, so a
+router that keeps one entry per hash, as Dynamo's and llm-d's indexers do,
+is exact): per instance, per tier (``medium``, with ``locality``) and per KV
+cache group (``group_idx``), the stream describes the *set* of block hashes
+held. ``BlockStored`` announces a hash when the tier first holds it and
+``BlockRemoved`` when its last copy leaves; two running requests that
+computed the same block hold two GPU copies, and evicting one announces
+nothing. ``AllBlocksCleared`` empties the GPU tier's set (the offloaded
+tiers announce their removals per hash: vLLM's ``AllBlocksCleared`` has no
+medium). Replay re-sends the very batches that were published, so a late
+subscriber that replays from the first sequence number builds the same
+sets; a restarted engine starts from empty sets and announces again what a
+persistent tier (disk) still holds. vLLM 0.33's per-copy stream (one event
+per cached or evicted copy, for consumers that reference-count) is the
+events mode ``"per-copy"`` (``EngineConfig.events_mode``, ``kvoffload run
+--events-mode per-copy``).
+
+Offloaded tiers (CPU, STORAGE) are self-describing by default in
+``kvoffload run``: their stores carry token ids, parent hash, block size,
+LoRA, extra keys and the group fields (``kvoffload.connector.events``), as
+vLLM 0.33's ``self_describing_kv_events`` does. The Redis tier is shared by
+instances: each instance announces the blocks it stored or found there as
+``medium="STORAGE", locality="REMOTE"`` with ``ownership`` naming the shared
+tier (``"redis:<namespace>"``), so a router may index them under that
+ownership for every instance that announces the same one.
+
 The publisher and subscriber names load lazily, so that importing the event
 types (as the block pool does) does not import ZMQ.
 """
@@ -10,6 +36,9 @@ from typing import TYPE_CHECKING
 
 from kvoffload.events.types import (
     DEFAULT_PROFILE,
+    EVENTS_EXACT,
+    EVENTS_MODES,
+    EVENTS_PER_COPY,
     LOCALITY_LOCAL,
     LOCALITY_REMOTE,
     MEDIUM_CPU,
@@ -28,6 +57,7 @@ from kvoffload.events.types import (
     KVCacheEvent,
     KVEvent,
     KVEventBatch,
+    check_events_mode,
     check_profile,
     decode_batch,
     decode_batch_profile,
@@ -76,6 +106,9 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "DEFAULT_PROFILE",
     "END_SEQ",
+    "EVENTS_EXACT",
+    "EVENTS_MODES",
+    "EVENTS_PER_COPY",
     "LOCALITY_LOCAL",
     "LOCALITY_REMOTE",
     "MEDIUM_CPU",
@@ -102,6 +135,7 @@ __all__ = [
     "ReceivedBatch",
     "SubscriberStats",
     "ZmqEventPublisher",
+    "check_events_mode",
     "check_profile",
     "decode_batch",
     "decode_batch_profile",

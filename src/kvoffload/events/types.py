@@ -75,6 +75,22 @@ _VLLM_MEDIUM: dict[str, tuple[str, str | None]] = {
 }
 
 
+#: What a stream of block events describes (see ``kvoffload.events``): "exact",
+#: the set of hashes each tier holds (the default), or "per-copy", vLLM 0.33's
+#: one event per cached / evicted copy.
+EVENTS_EXACT: Final = "exact"
+EVENTS_PER_COPY: Final = "per-copy"
+EVENTS_MODES: tuple[str, ...] = (EVENTS_EXACT, EVENTS_PER_COPY)
+
+
+def check_events_mode(mode: str) -> str:
+    """``mode`` if it names an events mode, else a one-line ValueError."""
+    if mode not in EVENTS_MODES:
+        known = ", ".join(EVENTS_MODES)
+        raise ValueError(f"unknown KV events mode {mode!r}; choose one of {known}")
+    return mode
+
+
 def check_profile(profile: str) -> str:
     """``profile`` if it names a wire profile, else a one-line ValueError."""
     if profile not in PROFILES:

@@ -57,7 +57,10 @@ class RemoteOffloadingManager(LowerTierManager):
     outage (``RedisBlockStore.available``); stores are then skipped
     (``keys_to_store`` empty) instead of queued to fail. ``presence``: ask
     off the caller's thread instead (module docstring); the manager owns it
-    and ``close`` stops it.
+    and ``close`` stops it. ``ownership``: the shared tier's id that its KV
+    events carry (``RedisBlockStore.ownership``), so a router can index a
+    block announced by any instance as loadable by every instance that
+    announces the same id.
     """
 
     answers_locally = False
@@ -69,6 +72,7 @@ class RemoteOffloadingManager(LowerTierManager):
         enable_events: bool = False,
         max_announced: int = 1 << 16,
         presence: PresenceCache | None = None,
+        ownership: str | None = None,
     ) -> None:
         if max_announced < 0:
             raise ValueError(f"max_announced must be >= 0, got {max_announced}")
@@ -76,6 +80,8 @@ class RemoteOffloadingManager(LowerTierManager):
         self._available = available_fn
         self.presence = presence
         self.enable_events = enable_events
+        #: The shared tier's id in KV events (``RedisBlockStore.ownership``).
+        self.event_ownership = ownership
         self.max_announced = max_announced
         self._storing: set[OffloadKey] = set()
         self._refs: dict[OffloadKey, int] = {}

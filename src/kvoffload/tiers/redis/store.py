@@ -255,6 +255,9 @@ class RedisBlockStore:
         self._retry_interval_s = retry_interval_s
         self._max_retry_interval_s = max(max_retry_interval_s, retry_interval_s)
         self.prefix = namespace_prefix(namespace, block_bytes, geometry_fingerprint, hash_fn)
+        # What KV events say of this tier: every engine whose blocks are compatible
+        # (same prefix) shares it, so a router can treat it as held by all of them.
+        self.ownership = "redis:" + self.prefix[len(b"kvo:") : -1].decode()
         self.value_bytes = HEADER_BYTES + block_bytes
         self._chunk = max(1, max_batch_bytes // self.value_bytes)
         self._stats = RedisStoreStats()

@@ -1,0 +1,156 @@
+"""The engine's published events index every tier exactly (issue 33 items 1-2).
+
+Concurrent requests with the same prompt compute the same blocks (several
+GPU copies); small GPU and CPU tiers and a disk tier make them evict. A
+consumer that keeps one entry per (medium, hash), as a router does, must
+hold exactly what each tier holds, step after step; offloaded stores carry
+the same tokens and parents as the GPU tier's stores of the same hashes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvoffload.engine import EngineConfig, LLMEngine, SamplingParams
+from kvoffload.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvoffload.offload.base import make_offload_key
+
+BS = 4
+# Three conversations, each prompt sent twice at once (two GPU copies of every block).
+PROMPTS = [[(11 * i + 37 * c) % 400 + 1 for i in range(6 * BS + 1)] for c in range(3)]
+
+
+def _engine(tmp_path: Path | None, **kw: object) -> tuple[LLMEngine, list[KVEvent]]:
+    engine = LLMEngine(
+        EngineConfig(
+            block_size=BS,
+            num_gpu_blocks=24,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            num_cpu_blocks=10,
+            disk_dir=None if tmp_path is None else str(tmp_path / "disk"),
+            num_disk_blocks=16,
+            events_endpoint="tcp://127.0.0.1:*",
+            **kw,  # type: ignore[arg-type]
+        )
+    )
+    published: list[KVEvent] = []
+    publish = engine.publisher.publish
+
+    def record(events: list[KVEvent]) -> bool:
+        published.extend(events)
+        return publish(events)
+
+    engine.publisher.publish = record  # type: ignore[method-assign]
+    return engine, published
+
+
+class Router:
+    """One entry per (medium, hash); refuses a double store or a removal of nothing."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, set[object]] = {}
+        self.gpu_payload: dict[object, tuple[object, tuple[int, ...]]] = {}
+        self.described: dict[str, int] = {}  # medium -> hashes stored with their tokens
+
+    def apply(self, events: list[KVEvent]) -> None:
+        for ev in events:
+            if isinstance(ev, AllBlocksCleared):
+                self.held.pop("GPU", None)
+                continue
+            assert isinstance(ev, BlockStored | BlockRemoved)
+            held = self.held.setdefault(str(ev.medium), set())
+            if isinstance(ev, BlockRemoved):
+                for h in ev.block_hashes:
+                    assert h in held, f"{ev.medium}: removal of a hash not held"
+                    held.discard(h)
+                continue
+            for h in ev.block_hashes:
+                assert h not in held, f"{ev.medium}: second store of a held hash"
+                held.add(h)
+            self._check_payload(ev)
+
+    def _check_payload(self, ev: BlockStored) -> None:
+        assert (ev.group_idx or 0) == 0  # GPU events leave it to the wire (0)
+        if ev.block_size == 0:  # placeholder: one hash, nothing else
+            assert ev.token_ids == [] and ev.parent_block_hash is None
+            return
+        medium = str(ev.medium)
+        self.described[medium] = self.described.get(medium, 0) + len(ev.block_hashes)
+        assert len(ev.token_ids) == ev.block_size * len(ev.block_hashes)
+        parent = ev.parent_block_hash
+        for i, h in enumerate(ev.block_hashes):
+            tokens = tuple(ev.token_ids[i * ev.block_size : (i + 1) * ev.block_size])
+            if ev.medium == "GPU":
+                self.gpu_payload[h] = (parent, tokens)
+            else:
+                assert self.gpu_payload[h] == (parent, tokens), "offloaded payload differs"
+                assert ev.kv_cache_spec_kind == "full_attention"
+            parent = h
+
+
+def _run(engine: LLMEngine, published: list[KVEvent], router: Router) -> None:
+    for c, prompt in enumerate(PROMPTS):
+        for copy in range(2):
+            engine.add_request(prompt, SamplingParams(max_tokens=3), req_id=f"{c}-{copy}")
+    cpu = engine.offload.manager if engine.offload else None  # type: ignore[union-attr]
+    cpu = getattr(cpu, "cpu", cpu)
+    while engine.has_unfinished_requests():
+        engine.step()
+        router.apply(published)
+        published.clear()
+        gpu = {b.block_hash for b in engine.pool.blocks if b.block_hash is not None}
+        assert router.held.get("GPU", set()) == gpu
+        if cpu is not None:
+            announced = router.held.get("CPU", set())
+            assert all(cpu.is_stored(make_offload_key(h)) for h in announced)  # type: ignore[arg-type]
+            known = set(router.gpu_payload)
+            assert {h for h in known if cpu.is_stored(make_offload_key(h))} == announced  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_router_index_equals_every_tier(tmp_path: Path, disk: bool) -> None:
+    engine, published = _engine(tmp_path if disk else None)
+    router = Router()
+    try:
+        _run(engine, published, router)
+        engine.drain()
+        engine.step()
+        router.apply(published)
+    finally:
+        engine.close()
+    assert router.held.get("CPU"), "the CPU tier announced nothing"
+    assert router.described.get("CPU"), "no self-describing CPU store"
+    if disk:
+        assert router.held.get("DISK"), "the disk tier announced nothing"
+        assert router.described.get("DISK"), "no self-describing disk store"
+
+
+def test_duplicates_break_a_set_router_in_per_copy_mode() -> None:
+    # vLLM's stream: a set-keeping router either sees a second store or loses a
+    # block that one copy still holds. The named option keeps it for consumers
+    # that count copies.
+    engine, published = _engine(None, events_mode="per-copy")
+    with pytest.raises(AssertionError, match="second store|removal of a hash not held|==|assert"):
+        try:
+            _run(engine, published, Router())
+        finally:
+            engine.close()
+
+
+def test_not_self_describing_sends_placeholders() -> None:
+    engine, published = _engine(None, events_self_describing=False)
+    router = Router()
+    events: list[KVEvent] = []
+    try:
+        engine.generate(PROMPTS, SamplingParams(max_tokens=2))
+        engine.drain()
+        engine.step()
+        events = list(published)
+    finally:
+        engine.close()
+    cpu = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+    assert cpu and all(e.block_size == 0 and not e.token_ids for e in cpu)
+    router.apply(events)
