@@ -14,7 +14,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvoffload.blocks import BlockPool, KVCacheBlock
-from kvoffload.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvoffload.events import BlockRemoved, BlockStored, KVEvent
 from kvoffload.hashing import BlockHash, hash_request_tokens, xxhash64
 
 BS = 2

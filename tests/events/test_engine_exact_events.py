@@ -133,7 +133,7 @@ def test_duplicates_break_a_set_router_in_per_copy_mode() -> None:
     # block that one copy still holds. The named option keeps it for consumers
     # that count copies.
     engine, published = _engine(None, events_mode="per-copy")
-    with pytest.raises(AssertionError, match="second store|removal of a hash not held|==|assert"):
+    with pytest.raises(AssertionError):  # a second store, a lost block, or a stale index
         try:
             _run(engine, published, Router())
         finally:
