@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvoffload.blocks import BlockPool, KVCacheBlock
-from kvoffload.connector.events import offloading_events_to_kv_events
+from kvoffload.connector.events import OffloadEventDescriber, tier_ownership
 from kvoffload.connector.metadata import ConnectorMetadata, TransferJob
 from kvoffload.events import KVEvent
 from kvoffload.hashing import BlockHash
@@ -129,6 +129,11 @@ class OffloadingConnectorScheduler:
         self._wait_lookups = getattr(manager, "wait_lookups", None)
         self.max_lookup_defer_steps = max_lookup_defer_steps
         self._deferred: dict[str, int] = {}  # request -> steps deferred so far
+        # Tier events as each tier's exact set; self-describing once the engine says so
+        # (the payloads come from the GPU tier's event stream).
+        self.events = OffloadEventDescriber(block_size_factor, ownership=tier_ownership(manager))
+        if block_pool.enable_kv_cache_events:
+            block_pool.event_listeners.append(self.events.observe)
 
     # -- keys -----------------------------------------------------------------
 
@@ -448,4 +453,4 @@ class OffloadingConnectorScheduler:
         return list(self._jobs)
 
     def take_events(self) -> list[KVEvent]:
-        return offloading_events_to_kv_events(self.manager.take_events())
+        return self.events.translate(self.manager.take_events())

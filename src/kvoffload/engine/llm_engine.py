@@ -73,6 +73,7 @@ class LLMEngine:
             config.num_gpu_blocks,
             enable_caching=True,
             enable_kv_cache_events=config.publishes_events,
+            events_mode=config.events_mode,
         )
         self.kv = KVCacheManager(self.pool, config.block_size)
         self.offload: OffloadSetup | None = None

@@ -61,4 +61,5 @@ def build_offload(config: EngineConfig, pool: BlockPool, runner: ModelRunner) ->
     connector = SimpleCPUOffloadScheduler(
         pool, manager, config.block_size, store_mode=config.store_mode
     )
+    connector.events.self_describing = config.events_self_describing
     return OffloadSetup(manager, connector, worker, host_pool, closers)

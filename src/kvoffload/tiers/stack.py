@@ -160,6 +160,7 @@ def make_tiers(
                     lambda: redis_store.available,  # type: ignore[union-attr]
                     config.enable_events,
                     presence=presence,
+                    ownership=redis_store.ownership,
                 )
             )
             redis_handler = RedisTransferHandler(redis_store, host_pool, threads)
