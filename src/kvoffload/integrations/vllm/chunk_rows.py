@@ -11,6 +11,14 @@ sub-block ``j`` goes to pool ``j``'s slot ``c``), submits one job per pool
 under the same job id, and reports the job once every part has finished
 (failed if any part failed). A load may skip the first chunk's leading
 sub-blocks (the GPU already holds them), as vLLM's loads do.
+
+Several KV cache groups. vLLM's job specs concatenate the groups: the GPU
+side lists each group's blocks in turn (``group_sizes``), the CPU side each
+group's chunks in turn, and group ``g``'s first GPU block sits at position
+``block_indices[g] % f`` of its first chunk (vLLM's worker reads them so).
+``group_rows`` resolves that into one CPU sub-block per GPU block
+(``SubBlockSpec``: sub-block ``j`` of chunk ``c`` is ``c * f + j``), group by
+group; a handler given sub-block ids takes them as they are.
 """
 
 from __future__ import annotations
@@ -25,6 +33,80 @@ from kvoffload.offload import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.offload.media import CPU_MEDIUM, GPU_MEDIUM
 from kvoffload.transfer.handler import TransferHandler, describe_error
 from kvoffload.transfer.spec import TransferResult, TransferSpec
+
+
+class SubBlockSpec(CPULoadStoreSpec):
+    """CPU sub-blocks, one per GPU block of a job: sub-block j of chunk c is ``c * f + j``."""
+
+
+@dataclass(frozen=True)
+class GroupRows:
+    """A multi-group job resolved to one CPU sub-block per GPU block.
+
+    ``gpu[i]`` pairs with ``sub_blocks[i]``; group ``groups[k]``'s pairs are
+    ``starts[k]:starts[k + 1]`` (groups without blocks in the job are left out).
+    """
+
+    gpu: np.ndarray
+    sub_blocks: np.ndarray
+    groups: tuple[int, ...]
+    starts: tuple[int, ...]
+
+
+def group_rows(
+    gpu_block_ids: Sequence[int] | np.ndarray,
+    group_sizes: Sequence[int] | None,
+    block_indices: Sequence[int] | None,
+    chunk_ids: Sequence[int] | np.ndarray,
+    factor: int,
+) -> GroupRows:
+    """Pair every GPU block of a vLLM job with its CPU sub-block, group by group.
+
+    ``group_sizes=None`` is one group starting at chunk position 0 (a load may
+    then skip the first chunk's leading sub-blocks, as with one group before).
+    ``ValueError`` when the chunk count does not match the groups' blocks
+    (each group needs ``ceil((block_indices[g] % f + group_sizes[g]) / f)``
+    chunks): such a job cannot run and writes nothing.
+    """
+    gpu = np.asarray(gpu_block_ids, dtype=np.int64).reshape(-1)
+    chunks = np.asarray(chunk_ids, dtype=np.int64).reshape(-1)
+    f = factor
+    if group_sizes is None:
+        skip = chunks.size * f - gpu.size
+        if not (0 <= skip < f or chunks.size == gpu.size == 0):
+            raise ValueError(f"{chunks.size} chunks of {f} blocks for {gpu.size} GPU blocks")
+        sizes, firsts = [gpu.size], [skip]
+    else:
+        sizes = [int(n) for n in group_sizes]
+        firsts = [int(i) % f for i in (block_indices or [0] * len(sizes))]
+        if len(firsts) != len(sizes) or sum(sizes) != gpu.size:
+            raise ValueError(
+                f"group sizes {sizes} and block indices {list(block_indices or [])} do not "
+                f"describe {gpu.size} GPU blocks"
+            )
+    subs = np.empty(gpu.size, dtype=np.int64)
+    groups: list[int] = []
+    starts: list[int] = []
+    at = used = 0
+    for g, (n, first) in enumerate(zip(sizes, firsts)):
+        if n == 0:
+            continue
+        need = -(-(first + n) // f)
+        if used + need > chunks.size:
+            raise ValueError(
+                f"group {g}: {n} GPU blocks from chunk position {first} need {need} chunks, "
+                f"the job has {chunks.size - used} left"
+            )
+        pos = np.arange(first, first + n, dtype=np.int64)
+        subs[at : at + n] = chunks[used + pos // f] * f + pos % f
+        groups.append(g)
+        starts.append(at)
+        at += n
+        used += need
+    if used != chunks.size:
+        raise ValueError(f"the job names {chunks.size} chunks, its GPU blocks fill {used}")
+    starts.append(at)
+    return GroupRows(gpu, subs, tuple(groups), tuple(starts))
 
 
 @dataclass
@@ -53,6 +135,9 @@ class ChunkSplitHandler(TransferHandler):
     def split(self, spec: TransferSpec) -> dict[int, TransferSpec]:
         """The job's parts by sub-block position; ``ValueError`` for a job that cannot run."""
         f = self.factor
+        cpu = spec.dst if spec.media[0] == GPU_MEDIUM else spec.src
+        if isinstance(cpu, SubBlockSpec):
+            return self._split_sub_blocks(spec, cpu)
         if spec.media == (GPU_MEDIUM, CPU_MEDIUM):
             gpu, chunks, skip = spec.src.block_ids, spec.dst.block_ids, 0  # type: ignore[attr-defined]
             if gpu.size != chunks.size * f:
@@ -80,6 +165,27 @@ class ChunkSplitHandler(TransferHandler):
             parts[j] = TransferSpec(gpu_ids, slots) if is_store else TransferSpec(slots, gpu_ids)
         if not parts:
             parts[0] = spec  # an empty job: let one handler report it
+        return parts
+
+    def _split_sub_blocks(self, spec: TransferSpec, cpu: SubBlockSpec) -> dict[int, TransferSpec]:
+        f = self.factor
+        is_store = spec.media == (GPU_MEDIUM, CPU_MEDIUM)
+        if not is_store and spec.media != (CPU_MEDIUM, GPU_MEDIUM):
+            raise ValueError(f"cannot transfer {spec.media[0]} -> {spec.media[1]}")
+        gpu = (spec.src if is_store else spec.dst).block_ids  # type: ignore[attr-defined]
+        subs = cpu.block_ids
+        if gpu.size != subs.size:
+            raise ValueError(f"{gpu.size} GPU blocks for {subs.size} CPU sub-blocks")
+        parts: dict[int, TransferSpec] = {}
+        for j in range(f):
+            mine = subs % f == j
+            if not mine.any():
+                continue
+            gpu_ids = GPULoadStoreSpec(gpu[mine])
+            slots = CPULoadStoreSpec(subs[mine] // f)
+            parts[j] = TransferSpec(gpu_ids, slots) if is_store else TransferSpec(slots, gpu_ids)
+        if not parts:
+            parts[0] = TransferSpec(spec.src, spec.dst)
         return parts
 
     def submit(self, job_id: int, spec: TransferSpec) -> None:

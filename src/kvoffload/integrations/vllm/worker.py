@@ -18,6 +18,14 @@ offloaded block of ``f`` GPU blocks is ``f`` such pools, see ``chunk_rows``).
 The worker never touches disk or Redis: the scheduler process moves those
 bytes between the region and the stores.
 
+Any number of KV cache groups (hybrid models). vLLM's job specs list each
+group's GPU blocks and CPU chunks in turn; ``chunk_rows.group_rows`` pairs
+every GPU block with its CPU sub-block, group by group (a group's first block
+may sit inside its first chunk), and the job copies those pairs. Every plane
+row of a block is copied: vLLM's groups alias one block-id space, so a plane
+that a group has no layer in is unused by that group's blocks, and copying it
+moves bytes nobody reads but never overwrites anybody's KV.
+
 Failures. vLLM 0.33's offloading worker asserts ``success`` on every transfer
 result, so a failed job would stop the engine. When the connector offers
 recovery (``KVOffloadConnector`` does: ``recover_failed_loads``), a failed
@@ -48,7 +56,7 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from kvoffload.integrations.vllm.chunk_rows import ChunkSplitHandler
+from kvoffload.integrations.vllm.chunk_rows import ChunkSplitHandler, SubBlockSpec, group_rows
 from kvoffload.integrations.vllm.manager import KVOffloadJobSpec
 from kvoffload.offload import CPULoadStoreSpec as KVCPUSpec
 from kvoffload.offload import GPULoadStoreSpec as KVGPUSpec
@@ -132,11 +140,18 @@ class KVOffloadWorker(OffloadingWorker):
         if sub_block_pools is not None and len(sub_block_pools) > 1:
             # Offloaded blocks of several GPU blocks in vLLM's shared rows: one pool
             # per sub-block position (see chunk_rows).
+            self.blocks_per_chunk = len(sub_block_pools)
             handler = ChunkSplitHandler(
                 [make_cpu_gpu_handler(gpu_tensors, layout, p, num_threads) for p in sub_block_pools]
             )
         else:
-            handler = make_cpu_gpu_handler(gpu_tensors, layout, host_pool, num_threads)
+            # Jobs name CPU sub-blocks (chunk * f + j): copy through a one-block-slot
+            # view of the same memory.
+            self.blocks_per_chunk = host_pool.block_size_factor
+            flat = host_pool
+            if self.blocks_per_chunk > 1:
+                flat = HostPool.over_tensors(layout, host_pool.tensors, 1, pinned=host_pool.pinned)
+            handler = make_cpu_gpu_handler(gpu_tensors, layout, flat, num_threads)
         self.worker.register_handler(GPU_MEDIUM, CPU_MEDIUM, handler)
         self.worker.register_handler(CPU_MEDIUM, GPU_MEDIUM, handler)
         self._jobs: dict[int, _Job] = {}
@@ -148,12 +163,6 @@ class KVOffloadWorker(OffloadingWorker):
         self.failed_job_ids: set[int] = set()
 
     @staticmethod
-    def _gpu(spec: GPULoadStoreSpec) -> KVGPUSpec:
-        if len(spec.group_sizes) != 1:
-            raise ValueError(f"kvoffload offloads one KV cache group, got {len(spec.group_sizes)}")
-        return KVGPUSpec(spec.block_ids)
-
-    @staticmethod
     def _inner(spec: LoadStoreSpec) -> tuple[object, int]:
         if isinstance(spec, KVOffloadJobSpec):
             return spec.inner, spec.op_id
@@ -163,12 +172,32 @@ class KVOffloadWorker(OffloadingWorker):
             return KVCPUSpec(spec.block_ids), NO_OP
         raise TypeError(f"expected a kvoffload or CPU job spec, got {type(spec).__name__}")
 
+    def _pair(self, gpu: GPULoadStoreSpec, cpu: object) -> tuple[KVGPUSpec, SubBlockSpec]:
+        """The job as (GPU blocks, CPU sub-blocks) of equal length; a job that does not
+        fit its groups gets specs the handler refuses (a failed result, nothing written)."""
+        chunks = getattr(cpu, "block_ids", None)
+        if chunks is None:
+            raise TypeError(f"expected a CPU slot spec, got {type(cpu).__name__}")
+        try:
+            rows = group_rows(
+                gpu.block_ids,
+                getattr(gpu, "group_sizes", None),
+                getattr(gpu, "block_indices", None),
+                chunks,
+                self.blocks_per_chunk,
+            )
+        except ValueError as exc:
+            logger.warning("kvoffload: refusing a transfer job: %s", exc)
+            return KVGPUSpec([0]), SubBlockSpec([])
+        return KVGPUSpec(rows.gpu), SubBlockSpec(rows.sub_blocks)
+
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
         inner, op_id = self._inner(dst_spec)
+        gpu, cpu = self._pair(src_spec, inner)
         self._jobs[job_id] = _Job(op_id, [], False)
-        self.worker.submit_store(job_id, (self._gpu(src_spec), inner))  # type: ignore[arg-type]
+        self.worker.submit_store(job_id, (gpu, cpu))  # type: ignore[arg-type]
         return True
 
     def submit_load(
@@ -181,9 +210,9 @@ class KVOffloadWorker(OffloadingWorker):
         # kvoffload's handlers run jobs in submission order per thread; an
         # expedited load is waited on by vLLM within the step either way.
         inner, op_id = self._inner(src_spec)
-        gpu = self._gpu(dst_spec)
-        self._jobs[job_id] = _Job(op_id, gpu.block_ids.tolist(), True)
-        self.worker.submit_load(job_id, (inner, gpu))  # type: ignore[arg-type]
+        gpu, cpu = self._pair(dst_spec, inner)
+        self._jobs[job_id] = _Job(op_id, [int(b) for b in dst_spec.block_ids], True)
+        self.worker.submit_load(job_id, (cpu, gpu))  # type: ignore[arg-type]
         return True
 
     def get_finished(self) -> list[TransferResult]:

@@ -1,0 +1,301 @@
+"""vLLM 0.33's real scheduler with hybrid ``KVCacheConfig``s (several KV cache groups), on the CPU.
+
+Import only from test modules that called ``need_vllm()`` first.
+
+``GroupsRig`` plays the model runner as ``vllm_rig.VLLMRig`` does, for any
+number of groups: the groups and the KV tensors come from vLLM's own planner
+(``_get_kv_cache_groups_uniform_page_size`` / ``get_kv_cache_config_from_groups``,
+``allocate_kv_cache``), so groups alias one block-id space exactly as in an
+engine. Every block that becomes full in a group gets, in each of that group's
+layers, a pattern derived from (block hash, group, layer); a finished load is
+checked against it layer by layer, so ``bytes_verified`` counts loaded bytes
+equal to what the group's layers held, and ``mismatches`` names any that are not.
+
+``instant=True`` runs the scheduler side alone (vLLM's own ``CPUOffloadingSpec``
+needs CUDA for its worker): every transfer job is reported done in the step
+it was issued, which is what the scheduler side sees of a worker that copies
+instantly. Only decisions (stores, hits) are compared in that mode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingWorkerMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_planning import (
+    _get_kv_cache_groups_uniform_page_size,
+    get_kv_cache_config_from_groups,
+)
+from vllm.v1.core.kv_cache_utils import init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from tests.integrations.vllm_rig import (
+    BLOCK_SIZE,
+    HEAD_SIZE,
+    NUM_KV_HEADS,
+    make_request,
+    vllm_config,
+    write_tiny_llama,
+)
+
+LAYOUT = "LBHNC"
+STOCK = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+VLLM_CPU_SPEC = {"spec_name": "CPUOffloadingSpec"}
+KVOFFLOAD_SPEC = {"spec_name": "KVOffloadSpec", "spec_module_path": "kvoffload.integrations.vllm"}
+
+
+def full_spec() -> FullAttentionSpec:
+    return FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float16
+    )
+
+
+def sliding_spec(window: int) -> SlidingWindowSpec:
+    return SlidingWindowSpec(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=NUM_KV_HEADS,
+        head_size=HEAD_SIZE,
+        dtype=torch.float16,
+        sliding_window=window,
+    )
+
+
+def layer_specs(kinds: list[KVCacheSpec]) -> dict[str, KVCacheSpec]:
+    return {f"model.layers.{i}.self_attn.attn": spec for i, spec in enumerate(kinds)}
+
+
+def pattern(block_hash: bytes, group: int, layer: str, nbytes: int) -> np.ndarray:
+    """What the fake model "computes" into one layer's page of the block with this hash."""
+    seed = bytes(block_hash) + group.to_bytes(2, "big") + layer.encode()
+    return np.frombuffer(bytearray(hashlib.shake_128(seed).digest(nbytes)), dtype=np.uint8)
+
+
+@dataclass
+class _Load:
+    req_id: str
+    blocks: list[tuple[int, int, bytes]]  # (group, GPU block, hash)
+
+
+@dataclass
+class GroupsRig:
+    config: VllmConfig
+    kcc: KVCacheConfig
+    scheduler: Scheduler
+    worker_connector: OffloadingConnector | None
+    kv_caches: dict[str, torch.Tensor]
+    hash_fn: Any
+    instant: bool
+    first_computed: dict[str, int] = field(default_factory=dict)
+    bytes_verified: int = 0
+    blocks_verified: int = 0
+    mismatches: list[tuple[str, int, int]] = field(default_factory=list)
+    stored_keys: list[bytes] = field(default_factory=list)
+    loaded_keys: list[bytes] = field(default_factory=list)
+    _pending: dict[int, _Load] = field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls,
+        tmp_path: Path,
+        specs: dict[str, KVCacheSpec],
+        extra_config: dict[str, Any],
+        connector: dict[str, Any],
+        num_gpu_blocks: int = 40,
+        instant: bool = False,
+    ) -> GroupsRig:
+        model_dir = write_tiny_llama(tmp_path / "tiny")
+        config = vllm_config(model_dir, num_gpu_blocks, extra_config, connector=connector)
+        config.cache_config.kv_cache_layout = LAYOUT
+        config.scheduler_config.disable_hybrid_kv_cache_manager = False
+        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        with set_current_vllm_config(config):
+            groups = _get_kv_cache_groups_uniform_page_size(dict(specs))
+            per_block = sum(
+                g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups[:1]
+            )
+            kcc = get_kv_cache_config_from_groups(config, groups, per_block * num_gpu_blocks)
+            kcc.num_blocks = num_gpu_blocks
+            config.cache_config.num_gpu_blocks = num_gpu_blocks
+            worker = None
+            kv_caches: dict[str, torch.Tensor] = {}
+            if not instant:
+                worker = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kcc)
+                kv_caches = allocate_kv_cache(
+                    kcc, torch.device("cpu"), config.cache_config.get_resolved_kv_cache_layout()
+                )
+                assert isinstance(worker, OffloadingConnector)
+                worker.register_kv_caches(kv_caches)
+            scheduler = Scheduler(
+                vllm_config=config,
+                kv_cache_config=kcc,
+                structured_output_manager=StructuredOutputManager(config),
+                block_size=BLOCK_SIZE,
+                log_stats=True,
+            )
+        return cls(config, kcc, scheduler, worker, kv_caches, hash_fn, instant)
+
+    @property
+    def groups(self) -> list[Any]:
+        return list(self.kcc.kv_cache_groups)
+
+    def add(self, prompt: list[int], req_id: str, max_tokens: int = 2) -> None:
+        self.scheduler.add_request(make_request(req_id, prompt, max_tokens, self.hash_fn))
+
+    # -- the fake model runner ---------------------------------------------------------
+
+    def _page(self, layer: str, block_id: int) -> torch.Tensor:
+        return self.kv_caches[layer][block_id].view(torch.uint8).reshape(-1)
+
+    def _compute(self, output: Any) -> None:
+        if self.instant:
+            return
+        for req_id, n in output.num_scheduled_tokens.items():
+            request = self.scheduler.requests.get(req_id)
+            if request is None:
+                continue
+            end = request.num_computed_tokens
+            block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+            for g, ids in enumerate(block_ids):
+                for idx in range((end - n) // BLOCK_SIZE, end // BLOCK_SIZE):
+                    if idx >= len(ids) or idx >= len(request.block_hashes) or ids[idx] == 0:
+                        continue
+                    h = bytes(request.block_hashes[idx])
+                    for layer in self.groups[g].layer_names:
+                        page = self._page(layer, ids[idx])
+                        page.copy_(torch.from_numpy(pattern(h, g, layer, page.numel())))
+
+    def _note_loads(self, metadata: Any) -> None:
+        for job_id, job in metadata.load_jobs.items():
+            request = self.scheduler.requests[job.req_id]
+            dst = job.dst_spec
+            blocks = []
+            at = 0
+            for g, (n, first) in enumerate(zip(dst.group_sizes, dst.block_indices)):
+                for i in range(n):
+                    bid = int(dst.block_ids[at + i])
+                    blocks.append((g, bid, bytes(request.block_hashes[first + i])))
+                at += n
+            self._pending[job_id] = _Load(job.req_id, blocks)
+
+    def _verify(self, job_ids: list[int]) -> None:
+        for job_id in job_ids:
+            load = self._pending.pop(job_id, None)
+            if load is None:
+                continue
+            for g, bid, h in load.blocks:
+                ok = True
+                for layer in self.groups[g].layer_names:
+                    page = self._page(layer, bid)
+                    if not np.array_equal(page.numpy(), pattern(h, g, layer, page.numel())):
+                        ok = False
+                        break
+                    self.bytes_verified += page.numel()
+                if ok:
+                    self.blocks_verified += 1
+                else:
+                    self.mismatches.append((load.req_id, g, bid))
+
+    def _record_jobs(self, metadata: Any) -> None:
+        jobs = self.scheduler.connector.connector_scheduler._jobs  # type: ignore[union-attr]
+        for job_id in metadata.store_jobs:
+            self.stored_keys.extend(sorted(jobs[job_id].keys))
+        for job_id in metadata.load_jobs:
+            self.loaded_keys.extend(sorted(jobs[job_id].keys))
+
+    def step(self) -> Any:
+        output = self.scheduler.schedule()
+        for new in output.scheduled_new_reqs:
+            self.first_computed.setdefault(new.req_id, new.num_computed_tokens)
+        meta = output.kv_connector_metadata
+        self._record_jobs(meta)
+        if self.instant:
+            done = OffloadingWorkerMetadata()
+            recving = set()
+            for job_id, job in meta.load_jobs.items():
+                done.mark_completed(job_id)
+                if not getattr(job, "sync", False):
+                    recving.add(job.req_id)
+            for job_id in meta.store_jobs:
+                done.mark_completed(job_id)
+            connector_output = KVConnectorOutput(
+                finished_recving=recving,
+                kv_connector_worker_meta=done if done.completed_jobs else None,
+            )
+        else:
+            wc = self.worker_connector
+            assert wc is not None
+            wc.bind_connector_metadata(meta)
+            wc.handle_preemptions(meta)
+            self._note_loads(meta)
+            wc.start_load_kv(None)  # type: ignore[arg-type]
+            worker = wc.connector_worker.worker
+            worker.wait_all(timeout=60)
+            self._compute(output)
+            wc.wait_for_save()
+            before = set(self._pending)
+            finished_sending, finished_recving = wc.get_finished(output.finished_req_ids)
+            self._verify([j for j in before if j not in worker.in_flight_job_ids()])
+            connector_output = KVConnectorOutput(
+                finished_sending=finished_sending,
+                finished_recving=finished_recving,
+                invalid_block_ids=wc.get_block_ids_with_load_errors(),
+                kv_connector_worker_meta=wc.build_connector_worker_meta(),
+            )
+            wc.clear_connector_metadata()
+        req_ids = list(output.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            request = self.scheduler.requests.get(req_id)
+            done_now = request is not None and request.num_computed_tokens >= request.num_tokens
+            sampled.append([7] if done_now else [])
+        runner = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=connector_output,
+        )
+        self.scheduler.update_from_output(output, runner)
+        return output
+
+    def run(self, max_steps: int = 300) -> None:
+        for _ in range(max_steps):
+            in_flight = (
+                self.worker_connector is not None
+                and self.worker_connector.connector_worker.worker.num_in_flight() > 0
+            )
+            if not self.scheduler.has_requests() and not in_flight:
+                return
+            output = self.step()
+            if not output.total_num_scheduled_tokens and self.worker_connector is not None:
+                assert self.worker_connector.connector_worker.worker.wait_all(timeout=60)
+        raise AssertionError(f"engine still busy after {max_steps} steps")
+
+    def shutdown(self) -> None:
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.shutdown()
+        if self.worker_connector is not None:
+            self.worker_connector.shutdown()
