@@ -41,7 +41,6 @@ from kvoffload.integrations.vllm.settings import (
     KVOffloadSettings,
     parse_settings,
 )
-from kvoffload.integrations.vllm.shm_lifetime import open_shared_region
 from kvoffload.integrations.vllm.worker import KVOffloadWorker, plane_layout
 from kvoffload.offload import CPUOffloadingManager
 from kvoffload.transfer import HostPool, KVLayout, format_bytes
@@ -140,9 +139,6 @@ class KVOffloadSpec(OffloadingSpec):
         #: vLLM's name for the CPU tier's size in chunks (read by vLLM's tiers).
         self.num_chunks = self.num_slots
         self.identity = model_identity(config)
-        #: vLLM's name for the lower tiers' entries: its tiers label their metrics from it
-        #: ("1:KVOffloadDiskTier", as vLLM's own series on the same server).
-        self.secondary_tier_configs = secondary_tier_configs(self.settings) if self.tiered else []
         self._manager: OffloadingManager | None = None
         self._worker: KVOffloadWorker | None = None
         self._region: Any = None
@@ -176,6 +172,7 @@ class KVOffloadSpec(OffloadingSpec):
         return self._manager
 
     def _build_tiering_manager(self) -> OffloadingManager:
+        from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
         from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
         from kvoffload.integrations.vllm import compat
@@ -185,14 +182,12 @@ class KVOffloadSpec(OffloadingSpec):
         poll = {}
         if self.settings.tier_poll_interval_s is not None:
             poll["tier_poll_interval_s"] = self.settings.tier_poll_interval_s
-        # Under a lease (shm_lifetime): its /dev/shm name goes once every process mapped it.
-        region = open_shared_region(
+        region = SharedOffloadRegion(
             self.config.engine_id,
             self.num_slots,
             None,
             self.kv_bytes_per_chunk,
             self.cpu_page_size_per_worker,
-            world_size=max(1, self.config.parallel.world_size),
         )
         primary: Any = None
         tiers: list[Any] = []
@@ -256,13 +251,14 @@ class KVOffloadSpec(OffloadingSpec):
     def _shared_host_pools(self, layout: KVLayout) -> tuple[list[HostPool], Any]:
         """This rank's shard of the shared region: one pool of one-block slots per
         sub-block position of an offloaded block (``blocks_per_chunk`` of them)."""
-        region = open_shared_region(
+        from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+
+        region = SharedOffloadRegion(
             self.config.engine_id,
             self.num_slots,
             self.config.parallel.rank,
             self.kv_bytes_per_chunk,
             self.cpu_page_size_per_worker,
-            world_size=max(1, self.config.parallel.world_size),
         )
         try:
             from kvoffload.integrations.vllm import compat
