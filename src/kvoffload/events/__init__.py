@@ -22,10 +22,12 @@ Offloaded tiers (CPU, STORAGE) are self-describing by default in
 ``kvoffload run``: their stores carry token ids, parent hash, block size,
 LoRA, extra keys and the group fields (``kvoffload.connector.events``), as
 vLLM 0.33's ``self_describing_kv_events`` does. The Redis tier is shared by
-instances: each instance announces the blocks it stored or found there as
-``medium="STORAGE", locality="REMOTE"`` with ``ownership`` naming the shared
-tier (``"redis:<namespace>"``), so a router may index them under that
-ownership for every instance that announces the same one.
+instances: each instance announces the blocks it stored there (and withdraws
+those it finds gone or stops tracking) as ``medium="STORAGE",
+locality="REMOTE"`` with ``ownership`` naming the shared tier
+(``"redis:<namespace>:<compatibility digest>"``). Instances that name the
+same ownership load each other's blocks, so a router indexes the union of
+their REMOTE sets as held by every one of them.
 
 The publisher and subscriber names load lazily, so that importing the event
 types (as the block pool does) does not import ZMQ.

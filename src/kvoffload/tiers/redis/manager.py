@@ -12,9 +12,14 @@ in-flight stores (not loadable yet) and load pins (kept for the contract:
 the server may still evict a pinned block, in which case the load fails and
 the engine recomputes).
 
-Events: a successful store is announced (``REMOTE``); a key this manager
-announced and later finds missing is announced as removed. Announced keys are
-remembered up to ``max_announced`` (least recently seen forgotten first).
+Events: a successful store is announced (``REMOTE``) once; a key this
+manager announced and later finds missing is announced as removed. Announced
+keys are remembered up to ``max_announced`` (least recently stored forgotten
+first, and announced as removed when forgotten), so the stream is the set of
+keys this instance vouches for (``kvoffload.events``); with
+``max_announced=0`` nothing is announced. Events carry ``event_ownership``
+(the namespace): a router unions the sets of every instance that names the
+same one, since any of them can load what another stored.
 
 Reset: the namespace is shared by every engine with the same tier
 fingerprint (model, KV geometry, hash function and seed, ...), so
@@ -192,15 +197,26 @@ class RemoteOffloadingManager(LowerTierManager):
             return
         if self.presence is not None:
             self.presence.mark(keys, True)
-        if self.max_announced:
-            ann = self._announced
-            for k in keys:
-                ann[k] = None
-                ann.move_to_end(k)
-            while len(ann) > self.max_announced:
-                ann.popitem(last=False)
+        if not self.max_announced:
+            return  # nothing remembered, nothing announced: a store without its removal lies
+        ann = self._announced
+        new: list[OffloadKey] = []
+        for k in keys:
+            if k not in ann:
+                new.append(k)
+            ann[k] = None
+            ann.move_to_end(k)
+        forgotten: list[OffloadKey] = []
+        while len(ann) > self.max_announced:
+            forgotten.append(ann.popitem(last=False)[0])
         if self.enable_events:
-            self._events.append(OffloadingEvent(keys, REMOTE_MEDIUM, removed=False))
+            # Each announced key is announced once, and withdrawn when it is
+            # forgotten: a router's set never keeps a key nobody vouches for.
+            if forgotten:
+                self._events.append(OffloadingEvent(forgotten, REMOTE_MEDIUM, removed=True))
+            new = [k for k in new if k in ann]
+            if new:
+                self._events.append(OffloadingEvent(new, REMOTE_MEDIUM, removed=False))
 
     def drop(self, keys: Sequence[OffloadKey]) -> None:
         """Forget announcements only: the server is shared, and the store already
