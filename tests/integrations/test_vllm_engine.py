@@ -105,7 +105,8 @@ def test_stock_connector_with_kvoffload_spec(tmp_path: Path) -> None:
 
 
 def test_abort_while_load_in_flight_leaks_nothing(tmp_path: Path) -> None:
-    rig = VLLMRig.build(tmp_path, extra_config={"cpu_bytes": "1MiB"})
+    # Asynchronous loads (no synchronous budget): the load outlives the step.
+    rig = VLLMRig.build(tmp_path, extra_config={"cpu_bytes": "1MiB", "sync_load_budget_bytes": 0})
     rig.add(PROMPT, req_id="first")
     rig.run()
     flood(rig)

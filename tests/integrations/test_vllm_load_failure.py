@@ -14,7 +14,10 @@ what it did:
   use, not read as garbage;
 * ``fail``: that request ends in an error, the engine goes on.
 
-Either way nothing leaks and the prefix is still served afterwards.
+Either way nothing leaks and the prefix is still served afterwards. Both load
+paths are covered: asynchronous (the request waits for its load) and
+synchronous (the load runs inside the step the hit is found, the request with
+it; vLLM rolls the running request back).
 """
 
 from tests.vllm_required import need_vllm
@@ -90,14 +93,21 @@ def _finish_reasons(rig: VLLMRig) -> dict[str, str]:
     }
 
 
+@pytest.mark.parametrize("loads", ["async", "sync"])
 @pytest.mark.parametrize("scheduler_cls", [Scheduler, AsyncScheduler])
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_a_failed_load_goes_to_vllms_recovery_with_its_gpu_blocks(
-    tmp_path: Path, policy: str, scheduler_cls: type[Scheduler]
+    tmp_path: Path, policy: str, scheduler_cls: type[Scheduler], loads: str
 ) -> None:
+    budget = {"async": 0, "sync": 1 << 20}[loads]
+    if loads == "sync" and policy == "recompute" and scheduler_cls is AsyncScheduler:
+        # vLLM 0.33 rolls the running request back but never releases the output
+        # placeholder of the step it skipped: the request hangs. kvoffload's default
+        # budget is 0 under async scheduling for this reason.
+        pytest.xfail("vLLM 0.33: a failed synchronous load under async scheduling hangs")
     rig = VLLMRig.build(
         tmp_path,
-        extra_config={"cpu_bytes": "1MiB"},
+        extra_config={"cpu_bytes": "1MiB", "sync_load_budget_bytes": budget},
         scheduler_cls=scheduler_cls,
         recompute_failed_loads=policy == "recompute",
     )
@@ -141,6 +151,7 @@ def test_a_failed_load_goes_to_vllms_recovery_with_its_gpu_blocks(
         raise AssertionError("engine still busy after 200 steps")
 
     assert fault.job_id is not None, "no CPU -> GPU load was started"
+    assert (fault.job_id in rig.sync_loads) == (loads == "sync")
     assert len(fault.gpu_blocks) == PROMPT_BLOCKS
     assert rig.kv_worker.failed_jobs == 1
     # vLLM was told exactly the failed job's GPU blocks, in one report.

@@ -95,6 +95,7 @@ def vllm_config(
     connector: dict[str, Any] | None = None,
     kv_events_endpoint: str | None = None,
     recompute_failed_loads: bool = False,
+    async_scheduling: bool | None = None,
 ) -> VllmConfig:
     """A CPU ``VllmConfig`` for the tiny model; ``extra_config=None``: no connector at all."""
     model = ModelConfig(
@@ -108,6 +109,7 @@ def vllm_config(
         max_model_len=1024,
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
+        async_scheduling=async_scheduling,
     )
     transfer = None
     if extra_config is not None:
@@ -195,7 +197,11 @@ def load_targets(
         first = int(dst.block_indices[0])
         ids = [int(b) for b in dst.block_ids]
         hashes = [bytes(request.block_hashes[first + i]) for i in range(len(ids))]
-        out[job_id] = (job.req_id, ids, hashes, bool(getattr(job, "sync", False)))
+        # vLLM 0.33 marks its own synchronous jobs; kvoffload's 0.32 path lists them.
+        sync = bool(getattr(job, "sync", False)) or job_id in getattr(
+            metadata, "sync_load_jobs", ()
+        )
+        out[job_id] = (job.req_id, ids, hashes, sync)
     return out
 
 
@@ -227,6 +233,10 @@ class VLLMRig:
     mismatches: list[tuple[str, int]] = field(default_factory=list)
     outputs: list[Any] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+    #: Synchronous load jobs still running when the forward pass would start (a bug).
+    late_sync_loads: list[int] = field(default_factory=list)
+    #: Synchronous load jobs seen (each finished before its step's forward pass).
+    sync_loads: list[int] = field(default_factory=list)
     _pending: dict[int, _PendingLoad] = field(default_factory=dict)
     _written: dict[int, bytes] = field(default_factory=dict)
     _next_id: int = 0
@@ -342,7 +352,11 @@ class VLLMRig:
             wc.handle_preemptions(meta)
             sync = self._note_loads(meta)
             wc.start_load_kv(None)  # type: ignore[arg-type]
-            self._verify_done(sync)
+            # A synchronous load must be done before the forward pass; its bytes are
+            # checked with the others once get_finished says whether it failed.
+            self.sync_loads += sync
+            if not self.kv_worker.worker.wait(sync, timeout=0):
+                self.late_sync_loads += sync
             self._compute(output)
             wc.wait_for_save()
             before = set(self._pending)

@@ -6,6 +6,13 @@ worker reports a failed load's GPU blocks through
 ``kv_load_failure_policy="recompute"``) and the failed jobs' tags travel to
 the scheduler side in the worker metadata, so the manager drops what the
 failed job touched instead of offering it again.
+
+It also computes a CPU-tier hit in the step it is found when the load fits
+the step's budget (``sync_load_budget_bytes``, default
+``DEFAULT_SYNC_LOAD_BUDGET_BYTES`` without async scheduling, 0 with it; 0
+turns it off): natively on vLLM 0.33,
+through ``sync_loads.SyncLoads`` on 0.32, which has no such path. A
+synchronous load that fails goes to the same recovery as an asynchronous one.
 """
 
 from __future__ import annotations
@@ -31,6 +38,14 @@ from kvoffload.integrations.vllm.manager import (
 from kvoffload.integrations.vllm.policies import KVOffloadVLLMPolicy
 from kvoffload.integrations.vllm.settings import KVOffloadConfigError
 from kvoffload.integrations.vllm.spec import KVOffloadSpec
+from kvoffload.integrations.vllm.sync_loads import (
+    BUDGET_KEY,
+    DEFAULT_SYNC_LOAD_BUDGET_BYTES,
+    SyncLoads,
+    finish_sync_loads,
+    kv_bytes_per_token,
+    native_sync_loads,
+)
 from kvoffload.integrations.vllm.worker import KVOffloadWorker
 
 SPEC_NAME = "KVOffloadSpec"
@@ -76,12 +91,34 @@ class KVOffloadConnector(OffloadingConnector):
         transfer = vllm_config.kv_transfer_config
         if transfer.kv_connector_extra_config is None:
             transfer.kv_connector_extra_config = {}
-        select_spec(transfer.kv_connector_extra_config)
+        extra = transfer.kv_connector_extra_config
+        select_spec(extra)
+        # Before vLLM reads it (0.33's scheduler config takes it at construction).
+        # Not by default under async scheduling: there vLLM 0.33 never releases
+        # the output placeholder of a request whose synchronous load failed, and
+        # the request hangs (see tests/integrations/test_vllm_load_failure.py).
+        if not getattr(vllm_config.scheduler_config, "async_scheduling", False):
+            extra.setdefault(BUDGET_KEY, DEFAULT_SYNC_LOAD_BUDGET_BYTES)
         super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_worker is not None:
             spec = self.connector_worker.spec
             assert isinstance(spec, KVOffloadSpec)
             spec.recover_failed_loads = True
+        #: Synchronous loads added from outside (vLLM 0.32); None where vLLM has them.
+        self.sync_loads: SyncLoads | None = None
+        sched = self.connector_scheduler
+        if sched is not None and not native_sync_loads(sched):
+            self.emulate_sync_loads(int(extra.get(BUDGET_KEY, 0)), kv_cache_config)
+
+    def emulate_sync_loads(self, budget_bytes: int, kv_cache_config: Any) -> None:
+        """Synchronous loads through ``SyncLoads`` (vLLM 0.32's path; on 0.33, tests
+        call it to run that path, which turns vLLM's own off)."""
+        sched = self.connector_scheduler
+        assert sched is not None
+        if native_sync_loads(sched):
+            sched.config = sched.config._replace(sync_load_budget_bytes=0)
+        groups = [g.group_idx for g in sched.config.kv_group_configs]
+        self.sync_loads = SyncLoads(budget_bytes, kv_bytes_per_token(kv_cache_config, groups))
 
     @classmethod
     def build_prom_metrics(
@@ -112,6 +149,12 @@ class KVOffloadConnector(OffloadingConnector):
         worker = self.connector_worker.worker
         return worker if isinstance(worker, KVOffloadWorker) else None
 
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        super().start_load_kv(forward_context, **kwargs)
+        # vLLM 0.32: the step's synchronous loads finish before the forward pass
+        # (0.33 waits for its own in start_kv_transfers).
+        finish_sync_loads(self.connector_worker, self._connector_metadata)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         worker = self.kvoffload_worker
         return worker.take_load_error_blocks() if worker is not None else set()
@@ -138,6 +181,42 @@ class KVOffloadConnector(OffloadingConnector):
             return None
         manager = self.connector_scheduler.manager
         return manager if isinstance(manager, KVOffloadManager) else None
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        hit, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        sync = self.sync_loads
+        if (
+            sync is not None
+            and hit is not None
+            and sync.reserve(request.request_id, num_computed_tokens, hit, request.num_tokens)
+        ):
+            return hit, False
+        return hit, is_async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        sync, sched = self.sync_loads, self.connector_scheduler
+        if (
+            sync is None
+            or sched is None
+            or not num_external_tokens
+            or not sync.is_sync(request.request_id)
+        ):
+            super().update_state_after_alloc(request, blocks, num_external_tokens)
+            return
+        local = sched._req_status[request.request_id].num_locally_computed_tokens
+        groups = [(g.group_idx, g.tokens_per_block) for g in sched.config.kv_group_configs]
+        before = set(sched._current_batch_load_jobs)
+        super().update_state_after_alloc(
+            request, sync.unhashed_view(blocks, groups, local), num_external_tokens
+        )
+        for job_id in set(sched._current_batch_load_jobs) - before:
+            sync.add_job(job_id)
+            # Done before this step's forward pass: other requests may hit these
+            # chunks in the GPU tier at once, not wait for the load's report.
+            if sched._chunks_being_loaded is not None:
+                sched._chunks_being_loaded.difference_update(sched._jobs[job_id].keys)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -183,6 +262,9 @@ class KVOffloadConnector(OffloadingConnector):
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         meta = super().build_connector_meta(scheduler_output)
+        if self.sync_loads is not None:
+            meta = self.sync_loads.metadata(meta)
+            self.sync_loads.end_step()
         target = self._request_hints()
         if target is not None:
             # After the step's region: the manager's lock is free again. The
