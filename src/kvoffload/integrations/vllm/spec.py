@@ -41,6 +41,7 @@ from kvoffload.integrations.vllm.settings import (
     KVOffloadSettings,
     parse_settings,
 )
+from kvoffload.integrations.vllm.shm_lifetime import open_shared_region
 from kvoffload.integrations.vllm.worker import KVOffloadWorker, plane_layout
 from kvoffload.offload import CPUOffloadingManager
 from kvoffload.transfer import HostPool, KVLayout, format_bytes
@@ -117,6 +118,11 @@ class KVOffloadSpec(OffloadingSpec):
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         self.settings: KVOffloadSettings = parse_settings(self.extra_config)
+        if len(config.groups) != 1:
+            raise KVOffloadConfigError(
+                f"kvoffload offloads models with one KV cache group, this one has "
+                f"{len(config.groups)}"
+            )
         world = max(1, config.parallel.world_size)
         slot_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
         self.tiered = self.settings.has_lower_tiers
@@ -139,6 +145,9 @@ class KVOffloadSpec(OffloadingSpec):
         #: vLLM's name for the CPU tier's size in chunks (read by vLLM's tiers).
         self.num_chunks = self.num_slots
         self.identity = model_identity(config)
+        #: vLLM's name for the lower tiers' entries: its tiers label their metrics from it
+        #: ("1:KVOffloadDiskTier", as vLLM's own series on the same server).
+        self.secondary_tier_configs = secondary_tier_configs(self.settings) if self.tiered else []
         self._manager: OffloadingManager | None = None
         self._worker: KVOffloadWorker | None = None
         self._region: Any = None
@@ -172,7 +181,6 @@ class KVOffloadSpec(OffloadingSpec):
         return self._manager
 
     def _build_tiering_manager(self) -> OffloadingManager:
-        from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
         from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
         from kvoffload.integrations.vllm import compat
@@ -182,12 +190,14 @@ class KVOffloadSpec(OffloadingSpec):
         poll = {}
         if self.settings.tier_poll_interval_s is not None:
             poll["tier_poll_interval_s"] = self.settings.tier_poll_interval_s
-        region = SharedOffloadRegion(
+        # Under a lease (shm_lifetime): its /dev/shm name goes once every process mapped it.
+        region = open_shared_region(
             self.config.engine_id,
             self.num_slots,
             None,
             self.kv_bytes_per_chunk,
             self.cpu_page_size_per_worker,
+            world_size=max(1, self.config.parallel.world_size),
         )
         primary: Any = None
         tiers: list[Any] = []
@@ -251,14 +261,13 @@ class KVOffloadSpec(OffloadingSpec):
     def _shared_host_pools(self, layout: KVLayout) -> tuple[list[HostPool], Any]:
         """This rank's shard of the shared region: one pool of one-block slots per
         sub-block position of an offloaded block (``blocks_per_chunk`` of them)."""
-        from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
-
-        region = SharedOffloadRegion(
+        region = open_shared_region(
             self.config.engine_id,
             self.num_slots,
             self.config.parallel.rank,
             self.kv_bytes_per_chunk,
             self.cpu_page_size_per_worker,
+            world_size=max(1, self.config.parallel.world_size),
         )
         try:
             from kvoffload.integrations.vllm import compat

@@ -60,6 +60,7 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
 )
 from vllm.v1.kv_offload.tiering.base import TransferJob
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.integrations.vllm.tiers.base import KVOffloadTierBase, logger
 from kvoffload.integrations.vllm.tiers.io_threads import IOJob
@@ -239,6 +240,12 @@ class KVOffloadRedisTier(KVOffloadTierBase):
     """kvoffload's Redis tier under vLLM's tiering manager (module docstring for the keys)."""
 
     DEFAULT_LOCALITY: ClassVar[Locality] = Locality.REMOTE
+    #: Where vLLM counts the prompt tokens this tier served
+    #: (``vllm:prompt_tokens_cached_by_source_total{source=...}``). vLLM derives "disk"
+    #: from the STORAGE medium; its categories put a remote store under
+    #: "external_unspecified" (``CacheHitSource``: "uninstrumented connector or remote
+    #: store"), and a Redis server is a remote store even on localhost.
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
 
     def __init__(
         self,

@@ -1,0 +1,204 @@
+"""The CPU tier's ``/dev/shm`` region never outlives its engine (issue 32).
+
+Behind vLLM's OpenAI server with a disk or Redis tier, 3 of 6 servers
+stopped with Ctrl-C left ``/dev/shm/vllm_offload_<engine id>.mmap`` (the size
+of ``cpu_bytes``): vLLM force-kills its engine core, and only the file's
+creator unlinked it, at a clean shutdown. Here: the name goes once every
+process mapped it (so a SIGKILL afterwards leaves nothing), a start-up that
+fails part-way leaves nothing on a clean exit, a dead engine's file is
+removed at the next start-up with one line, and a live engine's is not.
+Processes are real (``multiprocessing`` fork), and so are the SIGKILLs.
+"""
+
+from tests.vllm_required import need_vllm
+
+need_vllm()
+
+import contextlib  # noqa: E402
+import logging  # noqa: E402
+import multiprocessing  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import uuid  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kvoffload.integrations.vllm import shm_lifetime  # noqa: E402
+from kvoffload.integrations.vllm.shm_lifetime import (  # noqa: E402
+    SharedRegionError,
+    open_shared_region,
+    region_path,
+    sweep_stale_regions,
+)
+
+CHUNKS = 4
+PAGE = 4096
+ROW = 2 * PAGE  # two ranks' shards of one page each
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} {record.getMessage()}")
+
+
+@pytest.fixture
+def lines() -> Iterator[list[str]]:
+    """kvoffload's shm lines (vLLM's ``vllm`` logger does not propagate to pytest's capture)."""
+    handler = _Lines()
+    log = logging.getLogger("vllm.kvoffload.shm")
+    log.addHandler(handler)
+    old = log.level
+    log.setLevel(logging.INFO)
+    try:
+        yield handler.lines
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old)
+
+
+@pytest.fixture
+def engine_id() -> Iterator[str]:
+    eid = f"kvo-test-{uuid.uuid4().hex[:12]}"
+    yield eid
+    for suffix in ("", ".1"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(region_path(eid) + suffix)
+
+
+def _open(engine_id: str, rank: int | None, world: int = 2) -> Any:
+    return open_shared_region(engine_id, CHUNKS, rank, ROW, PAGE, world_size=world)
+
+
+# -- in one process ------------------------------------------------------------------
+
+
+def test_the_name_goes_once_every_process_mapped_it(engine_id: str, lines: list[str]) -> None:
+    path = region_path(engine_id)
+    w0 = _open(engine_id, 0)
+    w1 = _open(engine_id, 1)
+    assert os.path.exists(path), "the scheduler has not mapped it yet"
+    sched = _open(engine_id, None)
+    assert not os.path.exists(path)
+    assert any("all 3 processes mapped" in line and line.startswith("INFO") for line in lines)
+    # One memory for all three: what rank 1 writes in its shard the scheduler's row holds.
+    view = w1.create_next_worker_view(PAGE)
+    view[2].copy_(torch.arange(PAGE, dtype=torch.int64).to(torch.int8))
+    row = sched.base_tensor.view(CHUNKS, ROW)[2]
+    assert torch.equal(row[PAGE:ROW], view[2])
+    for region in (w0, w1, sched):
+        region.cleanup()
+    assert not os.path.exists(path)
+
+
+def test_a_start_that_stops_part_way_leaves_nothing(engine_id: str) -> None:
+    path = region_path(engine_id)
+    w0 = _open(engine_id, 0)
+    assert os.path.exists(path)
+    w0.cleanup()  # the engine failed before rank 1 and the scheduler mapped it
+    assert not os.path.exists(path)
+
+
+def test_a_dead_engines_file_at_this_path_is_removed_with_one_line(
+    engine_id: str, lines: list[str]
+) -> None:
+    path = region_path(engine_id)
+    Path(path).write_bytes(b"\0" * (CHUNKS * ROW))  # no lock holder: its engine is gone
+    region = _open(engine_id, None, world=0)  # the scheduler alone completes the set
+    assert not os.path.exists(path)
+    stale = [line for line in lines if "removed" in line and "dead engine" in line]
+    assert len(stale) == 1 and stale[0].startswith("WARNING"), lines
+    region.cleanup()
+
+
+def test_a_live_engine_with_another_layout_is_refused_in_one_line(engine_id: str) -> None:
+    w0 = _open(engine_id, 0)
+    with pytest.raises(SharedRegionError, match="another layout") as info:
+        open_shared_region(engine_id, CHUNKS + 1, 1, ROW, PAGE, world_size=2)
+    assert "\n" not in str(info.value)
+    w0.cleanup()
+
+
+def test_vllms_own_regions_are_never_swept(engine_id: str) -> None:
+    """vLLM's own CPU tier takes no lock: an unlocked file without kvoffload's header stays."""
+    path = region_path(engine_id)
+    Path(path).write_bytes(b"\0" * (CHUNKS * ROW))
+    sweep_stale_regions()
+    assert os.path.exists(path)
+
+
+# -- across processes, with SIGKILL --------------------------------------------------
+
+
+def _child(engine_id: str, ranks: list[int | None], world: int, ready: Any) -> None:
+    regions = [_open(engine_id, rank, world) for rank in ranks]
+    ready.put(os.path.exists(region_path(engine_id)))
+    signal.pause()
+    del regions
+
+
+def _start(engine_id: str, ranks: list[int | None], world: int) -> tuple[Any, bool]:
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(engine_id, ranks, world, ready), daemon=True)
+    proc.start()
+    named = ready.get(timeout=120)
+    return proc, named
+
+
+def _kill(proc: Any) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(timeout=60)
+
+
+def test_sigkill_of_a_started_engine_leaves_nothing(engine_id: str) -> None:
+    """Worker and scheduler mapped (vLLM's uniproc executor): SIGKILL, and no file is left."""
+    proc, named = _start(engine_id, [0, None], world=1)
+    assert named is False, "the name must be gone once both mapped"
+    _kill(proc)
+    assert not os.path.exists(region_path(engine_id))
+
+
+def test_sigkill_during_start_up_is_swept_by_the_next_engine(
+    engine_id: str, lines: list[str]
+) -> None:
+    """A worker killed before the scheduler mapped: its file stays while it lives, then goes."""
+    path = region_path(engine_id)
+    proc, named = _start(engine_id, [0], world=1)
+    assert named is True
+    assert sweep_stale_regions() == 0, "a live engine's region must not be removed"
+    assert os.path.exists(path)
+    _kill(proc)
+    assert os.path.exists(path)  # nothing ran in the killed process
+    # The next engine's first region sweeps it (once per process: reset for the test).
+    other = f"{engine_id}-next"
+    shm_lifetime._swept = False
+    try:
+        region = _open(other, None, world=0)
+        region.cleanup()
+    finally:
+        if os.path.exists(region_path(other)):  # pragma: no cover - a failure above
+            os.unlink(region_path(other))
+    assert not os.path.exists(path)
+    stale = [line for line in lines if path in line and "removed" in line]
+    assert len(stale) == 1 and stale[0].startswith("WARNING"), lines
+
+
+def test_a_joiner_of_a_live_region_shares_its_memory(engine_id: str) -> None:
+    """A peer process created it; this process joins (never creates a second file)."""
+    proc, named = _start(engine_id, [0], world=1)
+    assert named
+    try:
+        sched = _open(engine_id, None, world=1)
+        assert not os.path.exists(region_path(engine_id))
+        sched.cleanup()
+    finally:
+        _kill(proc)
+    assert not os.path.exists(region_path(engine_id))
