@@ -1,0 +1,148 @@
+"""One engine instance of the routing bench, in its own process.
+
+:class:`EngineInstance` starts a process that runs the reference engine
+(``LLMEngine``) with its own GPU and CPU tiers, the shared Redis tier named by
+its config, and KV events published on its own ZMQ endpoints. The parent
+talks to it over a pipe only, so the same messages could go over a socket to
+an engine on another host:
+
+* parent -> child: ``("add", req_id, token_ids, max_tokens, continues)``,
+  ``("stop",)``;
+* child -> parent: ``("ready",)`` once the engine is built, one ``("out",
+  {...})`` per finished request, ``("stats", {...})`` after ``stop`` (the
+  engine drained, its events flushed), ``("error", text)`` if the engine
+  failed (the process then exits).
+
+Invariant: every request added is answered by exactly one ``out`` before
+``stats``; the child steps the engine whenever it holds work and blocks on
+the pipe only when it holds none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from kvoffload.engine.config import EngineConfig
+
+READY_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class InstanceEndpoints:
+    """Where an instance publishes its KV events (what a router registers with the indexer)."""
+
+    instance_id: int
+    events: str
+    replay: str
+
+
+def _output_dict(out: Any) -> dict[str, object]:
+    return {
+        "req_id": out.req_id,
+        "prompt_len": out.prompt_len,
+        "ttft_s": out.ttft_s,
+        "latency_s": out.latency_s,
+        "gpu_hit": out.num_gpu_hit_tokens,
+        "tier_hit": out.num_tier_hit_tokens,
+        "computed": out.num_prefill_tokens_computed,
+        "output_tokens": len(out.output_token_ids),
+    }
+
+
+def _serve(conn: Connection, config: EngineConfig) -> None:
+    from kvoffload.engine.llm_engine import LLMEngine
+    from kvoffload.engine.request import SamplingParams
+
+    engine = LLMEngine(config)
+    try:
+        conn.send(("ready",))
+        stopping = False
+        while True:
+            busy = engine.has_unfinished_requests()
+            # Block on the pipe only when the engine has nothing to do.
+            while conn.poll(0 if busy or stopping else 0.05):
+                msg = conn.recv()
+                if msg[0] == "add":
+                    _, req_id, tokens, max_tokens, continues = msg
+                    engine.add_request(
+                        tokens, SamplingParams(max_tokens=max_tokens), req_id, continues
+                    )
+                    busy = True
+                elif msg[0] == "stop":
+                    stopping = True
+                    break
+            if engine.has_unfinished_requests():
+                for out in engine.step():
+                    conn.send(("out", _output_dict(out)))
+            elif stopping:
+                break
+            else:
+                engine.step()  # settles finished transfers and publishes their events
+        engine.drain()
+        engine.step()
+        flush = getattr(engine.publisher, "flush", None)
+        if flush is not None:
+            flush()
+        conn.send(("stats", {"tiers": engine.tier_hit_breakdown() or {}}))
+    finally:
+        engine.close()
+
+
+def _main(conn: Connection, config: EngineConfig) -> None:
+    try:
+        _serve(conn, config)
+    except Exception as exc:  # the parent must hear why, in one line
+        line = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        with contextlib.suppress(OSError, ValueError):
+            conn.send(("error", line, traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+class EngineInstance:
+    """An engine process; ``send``/``recv`` speak the protocol in the module docstring."""
+
+    def __init__(self, endpoints: InstanceEndpoints, config: EngineConfig) -> None:
+        self.endpoints = endpoints
+        self.config = config
+        ctx = mp.get_context("spawn")  # a fork would copy the parent's torch threads
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_main, args=(child, config), name=f"engine-{endpoints.instance_id}", daemon=True
+        )
+        self.process.start()
+        child.close()
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        if not self.conn.poll(timeout_s):
+            raise RuntimeError(f"engine {self.endpoints.instance_id} not ready in {timeout_s:.0f}s")
+        msg = self.conn.recv()
+        if msg[0] != "ready":
+            raise RuntimeError(f"engine {self.endpoints.instance_id} failed to start: {msg[1]}")
+
+    def add(self, req_id: str, token_ids: list[int], max_tokens: int, continues: bool) -> None:
+        self.conn.send(("add", req_id, token_ids, max_tokens, continues))
+
+    def stop(self) -> dict[str, object]:
+        """Ask the engine to finish; its final stats (waits for outstanding outputs first)."""
+        self.conn.send(("stop",))
+        while True:
+            msg = self.conn.recv()
+            if msg[0] == "stats":
+                return msg[1]  # type: ignore[no-any-return]
+            if msg[0] == "error":
+                raise RuntimeError(f"engine {self.endpoints.instance_id}: {msg[1]}")
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        finally:
+            self.process.join(timeout=30)
+            if self.process.is_alive():
+                self.process.terminate()
+                self.process.join(timeout=10)
