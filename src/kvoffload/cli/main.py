@@ -35,6 +35,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "kvoffload run quiet vs beside a busy process (wall-time ratio)",
     ),
     "events": ("kvoffload.bench.events", "KV event publish/decode rates, vllm vs legacy profile"),
+    "route": ("kvoffload.bench.route", "N engines behind a KV-aware router vs round robin, random"),
     "vllm": (
         "kvoffload.bench.vllm_engine",
         "a real vLLM engine on the CPU, offload off vs on (cached tokens, TTFT, identity)",
