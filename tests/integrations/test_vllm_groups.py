@@ -66,3 +66,41 @@ def test_sliding_window_and_full_attention_groups_load_every_groups_bytes(
     assert rig.blocks_verified == len(rig.loaded_keys) and rig.bytes_verified > 0
     rig.shutdown()
     reference.shutdown()
+
+
+def test_a_group_with_fewer_layers_gets_slots_of_its_own_size(tmp_path: Path) -> None:
+    # vLLM's planner: [full x2], [sliding x2], [sliding x1] (the remainder group).
+    kinds = [full_spec(), sliding_spec(32), sliding_spec(32), full_spec(), sliding_spec(32)]
+    rig = GroupsRig.build(
+        tmp_path / "kvoffload", layer_specs(kinds), {"cpu_bytes": "4MiB"}, CONNECTOR
+    )
+    assert [len(g.layer_names) for g in rig.groups] == [2, 2, 1]
+    spec = rig.worker_connector.connector_worker.spec
+    plan = spec.slot_plan
+    assert [c.groups for c in plan.classes] == [(0, 1), (2,)]
+    page = rig.kv_caches["model.layers.0.self_attn.attn"][0].numel() * 2
+    assert [plan.slot_bytes(c) for c in range(2)] == [2 * page, page]
+    # cpu_bytes split so that every group can hold the same number of chunks.
+    assert abs(plan.classes[0].num_slots - 2 * plan.classes[1].num_slots) <= 2
+    total = sum(c.num_slots * plan.slot_bytes(i) for i, c in enumerate(plan.classes))
+    assert total <= 4 << 20 < total + 3 * 2 * page
+    worker = rig.worker_connector.connector_worker.worker
+    pools = {id(p): p for _, _, p in worker.group_pools}
+    assert sorted(p.slot_bytes for p in pools.values()) == [page, 2 * page]
+    serve_evict_return(rig)
+    reference = GroupsRig.build(
+        tmp_path / "vllm",
+        layer_specs(kinds),
+        {"cpu_bytes_to_use": 4 << 20, **VLLM_CPU_SPEC},
+        STOCK,
+        instant=True,
+    )
+    serve_evict_return(reference)
+    assert rig.first_computed["again"] == reference.first_computed["again"] > 0
+    assert sorted(rig.stored_keys) == sorted(reference.stored_keys)
+    assert sorted(rig.loaded_keys) == sorted(reference.loaded_keys)
+    assert {int.from_bytes(k[-4:], "big") for k in rig.loaded_keys} == {0, 1, 2}
+    assert not rig.mismatches
+    assert rig.blocks_verified == len(rig.loaded_keys)
+    rig.shutdown()
+    reference.shutdown()

@@ -43,6 +43,7 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 
+from kvoffload.integrations.vllm.class_managers import ClassedCPUManager
 from kvoffload.integrations.vllm.store_threshold import StoreThreshold
 from kvoffload.offload import CPULoadStoreSpec, CPUOffloadingManager
 
@@ -190,11 +191,11 @@ class KVOffloadManager(OffloadingManager):
 
     def __init__(
         self,
-        inner: CPUOffloadingManager,
+        inner: CPUOffloadingManager | ClassedCPUManager,
         store_threshold: int = 0,
         max_tracker_size: int = 64_000,
     ) -> None:
-        if not isinstance(inner, CPUOffloadingManager):
+        if not isinstance(inner, CPUOffloadingManager | ClassedCPUManager):
             raise TypeError(f"expected kvoffload's CPUOffloadingManager, got {type(inner)}")
         self.inner = inner
         self.cpu = inner

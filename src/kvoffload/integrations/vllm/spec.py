@@ -35,6 +35,8 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
+from kvoffload.integrations.vllm.class_managers import ClassedCPUManager
+from kvoffload.integrations.vllm.group_slots import GroupSlotPlan, group_name, plan_group_slots
 from kvoffload.integrations.vllm.manager import KVOffloadManager
 from kvoffload.integrations.vllm.settings import (
     KVOffloadConfigError,
@@ -42,7 +44,7 @@ from kvoffload.integrations.vllm.settings import (
     parse_settings,
 )
 from kvoffload.integrations.vllm.shm_lifetime import open_shared_region
-from kvoffload.integrations.vllm.worker import KVOffloadWorker, plane_layout
+from kvoffload.integrations.vllm.worker import KVOffloadWorker, class_pools, plane_layout
 from kvoffload.offload import CPUOffloadingManager
 from kvoffload.transfer import HostPool, KVLayout, format_bytes
 
@@ -118,30 +120,33 @@ class KVOffloadSpec(OffloadingSpec):
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         self.settings: KVOffloadSettings = parse_settings(self.extra_config)
-        if len(config.groups) != 1:
-            raise KVOffloadConfigError(
-                f"kvoffload offloads models with one KV cache group, this one has "
-                f"{len(config.groups)}"
-            )
         world = max(1, config.parallel.world_size)
         slot_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
         self.tiered = self.settings.has_lower_tiers
         # The shared region's geometry (vLLM's names, read by vLLM's secondary
         # tiers): a row per chunk, holding each rank's page of it in rank order,
-        # padded to whole memory pages.
+        # padded to whole memory pages. One row size for every group: vLLM's
+        # tiering manager has one CPU tier and its secondary tiers move whole rows.
         self.cpu_page_size_per_worker = slot_bytes
         self.kv_bytes_per_chunk = _round_up(slot_bytes * world, mmap.PAGESIZE)
         self.all_layers_portable: bool | None = None
-        row = self.kv_bytes_per_chunk if self.tiered else slot_bytes * world
         self.num_slots = 0
+        #: Slot classes of the KV cache groups (one unless groups' blocks differ in size).
+        self.slot_plan: GroupSlotPlan | None = None
         if slot_bytes > 0:
-            self.num_slots = self.settings.cpu_bytes // row
-            if self.num_slots < 1:
-                raise KVOffloadConfigError(
-                    "kv_connector_extra_config['cpu_bytes']: "
-                    f"{format_bytes(self.settings.cpu_bytes)} is smaller than one offloaded "
-                    f"block on {world} worker(s) ({row} bytes)"
-                )
+            if self.tiered:
+                self.num_slots = self.settings.cpu_bytes // self.kv_bytes_per_chunk
+                if self.num_slots < 1:
+                    raise KVOffloadConfigError(
+                        "kv_connector_extra_config['cpu_bytes']: "
+                        f"{format_bytes(self.settings.cpu_bytes)} is smaller than one offloaded "
+                        f"block on {world} worker(s) ({self.kv_bytes_per_chunk} bytes)"
+                    )
+            self.slot_plan = plan_group_slots(
+                config, self.settings.cpu_bytes, self.blocks_per_chunk, shared_rows=self.tiered
+            )
+            if not self.tiered:
+                self.num_slots = sum(c.num_slots for c in self.slot_plan.classes)
         #: vLLM's name for the CPU tier's size in chunks (read by vLLM's tiers).
         self.num_chunks = self.num_slots
         self.identity = model_identity(config)
@@ -151,14 +156,16 @@ class KVOffloadSpec(OffloadingSpec):
         self._manager: OffloadingManager | None = None
         self._worker: KVOffloadWorker | None = None
         self._region: Any = None
-        if self.num_slots:
+        if self.num_slots and self.slot_plan is not None:
+            names = [group_name(config, g) for g in range(len(config.groups))]
             logger.info(
-                "kvoffload: CPU tier of %d blocks (%s per worker), policy %s%s%s",
+                "kvoffload: CPU tier of %d blocks (%s per worker), policy %s%s%s; slots: %s",
                 self.num_slots,
-                format_bytes(self.num_slots * slot_bytes),
+                format_bytes(self.settings.cpu_bytes // world),
                 self.settings.cache_policy,
                 f", disk {self.settings.disk_dir}" if self.settings.disk_dir else "",
                 ", redis" if self.settings.redis_url else "",
+                self.slot_plan.describe(names),
             )
 
     @property
@@ -172,13 +179,27 @@ class KVOffloadSpec(OffloadingSpec):
             if self.tiered:
                 self._manager = self._build_tiering_manager()
             else:
-                inner = CPUOffloadingManager(
-                    self.num_slots, self.settings.cache_policy, enable_events=self._events
-                )
                 self._manager = KVOffloadManager(
-                    inner, self.settings.store_threshold, self.settings.max_tracker_size
+                    self._cpu_tier(), self.settings.store_threshold, self.settings.max_tracker_size
                 )
         return self._manager
+
+    def _cpu_tier(self) -> CPUOffloadingManager | ClassedCPUManager:
+        """kvoffload's CPU tier: one manager, or one per slot class (see ``group_slots``)."""
+        plan = self.slot_plan
+        if plan is None or plan.single:
+            return CPUOffloadingManager(
+                self.num_slots, self.settings.cache_policy, enable_events=self._events
+            )
+        policy, events = self.settings.cache_policy, self._events
+        managers = [
+            CPUOffloadingManager(c.num_slots, policy, enable_events=events) for c in plan.classes
+        ]
+        # Keys carry vLLM's group id; the plan is indexed by position in config.groups.
+        class_of = [0] * (max(g.group_id for g in self.config.groups) + 1)
+        for pos, g in enumerate(self.config.groups):
+            class_of[g.group_id] = plan.class_of[pos]
+        return ClassedCPUManager(managers, class_of)
 
     def _build_tiering_manager(self) -> OffloadingManager:
         from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
@@ -243,6 +264,17 @@ class KVOffloadSpec(OffloadingSpec):
 
     def _build_worker(self, kv_caches: CanonicalKVCaches) -> KVOffloadWorker:
         layout, views, _ = plane_layout(kv_caches)
+        plan = self.slot_plan
+        if not self.tiered and plan is not None and not plan.single:
+            pools, routes = class_pools(plan, kv_caches, layout, views)
+            return KVOffloadWorker(
+                layout,
+                views,
+                pools[0][2],
+                recover_failed_loads=self.recover_failed_loads,
+                group_pools=pools,
+                group_routes=routes,
+            )
         if not self.tiered:
             host_pool = HostPool(layout, self.num_slots, self.blocks_per_chunk, pin_memory=True)
             return KVOffloadWorker(

@@ -21,10 +21,14 @@ bytes between the region and the stores.
 Any number of KV cache groups (hybrid models). vLLM's job specs list each
 group's GPU blocks and CPU chunks in turn; ``chunk_rows.group_rows`` pairs
 every GPU block with its CPU sub-block, group by group (a group's first block
-may sit inside its first chunk), and the job copies those pairs. Every plane
-row of a block is copied: vLLM's groups alias one block-id space, so a plane
-that a group has no layer in is unused by that group's blocks, and copying it
-moves bytes nobody reads but never overwrites anybody's KV.
+may sit inside its first chunk), and the job copies those pairs. With one
+slot class (``group_slots``) every plane row of a block is copied: vLLM's
+groups alias one block-id space, so a plane that a group has no layer in is
+unused by that group's blocks, and copying it moves bytes nobody reads but
+never overwrites anybody's KV. With several classes (``group_pools``) each
+group copies only its own layers' planes into its class's pool
+(``group_jobs.GroupSplitHandler``), and its CPU chunk ids are slots of that
+pool.
 
 Failures. vLLM 0.33's offloading worker asserts ``success`` on every transfer
 result, so a failed job would stop the engine. When the connector offers
@@ -46,6 +50,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
@@ -57,6 +62,8 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvoffload.integrations.vllm.chunk_rows import ChunkSplitHandler, SubBlockSpec, group_rows
+from kvoffload.integrations.vllm.group_jobs import GroupSplitHandler, RoutedSubBlockSpec
+from kvoffload.integrations.vllm.group_slots import GroupSlotPlan
 from kvoffload.integrations.vllm.manager import KVOffloadJobSpec
 from kvoffload.offload import CPULoadStoreSpec as KVCPUSpec
 from kvoffload.offload import GPULoadStoreSpec as KVGPUSpec
@@ -105,6 +112,57 @@ def plane_layout(kv_caches: CanonicalKVCaches) -> tuple[KVLayout, list[torch.Ten
     return layout, views, num_blocks
 
 
+def class_pools(
+    plan: GroupSlotPlan,
+    kv_caches: CanonicalKVCaches,
+    layout: KVLayout,
+    views: list[torch.Tensor],
+) -> tuple[list[tuple[list[torch.Tensor], KVLayout, HostPool]], list[int]]:
+    """One host pool per slot class, and per group (position) its planes and route.
+
+    A group copies the planes its layers use (vLLM's ``group_data_refs``), in
+    ref order; its class's pool has that many planes. Where a group's planes
+    do not add up to the bytes the plan gave its class (a layout the plan
+    cannot see), the group copies every plane instead and its class's pool
+    is as wide as the whole block: the slot counts stay the plan's, so slot
+    ids agree with the scheduler's, and the pool takes more memory (logged).
+    """
+    row = layout.plane_row_bytes
+    out: list[tuple[list[torch.Tensor], KVLayout, HostPool]] = []
+    routes = [0] * len(plan.class_of)
+    everything = list(range(len(views)))
+    for cls in plan.classes:
+        planes: dict[int, list[int]] = {}
+        for g in cls.groups:
+            refs = kv_caches.group_data_refs[g] if g < len(kv_caches.group_data_refs) else []
+            planes[g] = list(dict.fromkeys(r.tensor_idx for r in refs))
+        if any(len(t) * row != cls.bytes_per_block for t in planes.values()):
+            logger.warning(
+                "kvoffload: KV cache groups %s do not lay out as planned (%d bytes per block, "
+                "planes of %d bytes); their slots hold whole blocks (%d bytes)",
+                list(cls.groups),
+                cls.bytes_per_block,
+                row,
+                row * len(views),
+            )
+            planes = {g: everything for g in cls.groups}
+        width = len(next(iter(planes.values())))
+        geometry = KVGeometry(width, 1, row // 2, 1, torch.uint8)
+        class_layout = KVLayout(geometry, "kv_split")
+        pool = HostPool(class_layout, cls.num_slots, plan.blocks_per_chunk, pin_memory=True)
+        for g, tensors in planes.items():
+            routes[g] = len(out)
+            out.append(([views[t] for t in tensors], class_layout, pool))
+    return out, routes
+
+
+def _flat(pool: HostPool) -> HostPool:
+    """The same memory as one-block slots: jobs name CPU sub-blocks (chunk * f + j)."""
+    if pool.block_size_factor == 1:
+        return pool
+    return HostPool.over_tensors(pool.layout, pool.tensors, 1, pinned=pool.pinned)
+
+
 @dataclass
 class _Job:
     op_id: int
@@ -118,6 +176,9 @@ class KVOffloadWorker(OffloadingWorker):
     ``recover_failed_loads``: see the module docstring.
     ``sub_block_pools``: with offloaded blocks of ``f > 1`` GPU blocks in
     vLLM's shared rows, the ``f`` one-block pools (``host_pool`` is the first).
+    ``group_pools`` / ``group_routes``: per slot class (or plane set), the GPU
+    planes, their layout and the class's host pool; group ``g`` (position in
+    vLLM's job specs) is copied by ``group_pools[group_routes[g]]``.
     """
 
     def __init__(
@@ -129,6 +190,8 @@ class KVOffloadWorker(OffloadingWorker):
         num_threads: int = 2,
         on_shutdown: Callable[[], None] | None = None,
         sub_block_pools: Sequence[HostPool] | None = None,
+        group_pools: Sequence[tuple[list[torch.Tensor], KVLayout, HostPool]] | None = None,
+        group_routes: Sequence[int] | None = None,
     ) -> None:
         self.layout = layout
         self.gpu_tensors = gpu_tensors
@@ -137,7 +200,18 @@ class KVOffloadWorker(OffloadingWorker):
         self.on_shutdown = on_shutdown
         self.worker = KVWorker()
         handler: TransferHandler
-        if sub_block_pools is not None and len(sub_block_pools) > 1:
+        self._routes: np.ndarray | None = None
+        self.group_pools = list(group_pools or [])
+        if group_pools is not None and group_routes is not None:
+            self.blocks_per_chunk = host_pool.block_size_factor
+            handler = GroupSplitHandler(
+                [
+                    make_cpu_gpu_handler(views, lay, _flat(pool), num_threads)
+                    for views, lay, pool in group_pools
+                ]
+            )
+            self._routes = np.asarray(group_routes, dtype=np.int64)
+        elif sub_block_pools is not None and len(sub_block_pools) > 1:
             # Offloaded blocks of several GPU blocks in vLLM's shared rows: one pool
             # per sub-block position (see chunk_rows).
             self.blocks_per_chunk = len(sub_block_pools)
@@ -148,10 +222,7 @@ class KVOffloadWorker(OffloadingWorker):
             # Jobs name CPU sub-blocks (chunk * f + j): copy through a one-block-slot
             # view of the same memory.
             self.blocks_per_chunk = host_pool.block_size_factor
-            flat = host_pool
-            if self.blocks_per_chunk > 1:
-                flat = HostPool.over_tensors(layout, host_pool.tensors, 1, pinned=host_pool.pinned)
-            handler = make_cpu_gpu_handler(gpu_tensors, layout, flat, num_threads)
+            handler = make_cpu_gpu_handler(gpu_tensors, layout, _flat(host_pool), num_threads)
         self.worker.register_handler(GPU_MEDIUM, CPU_MEDIUM, handler)
         self.worker.register_handler(CPU_MEDIUM, GPU_MEDIUM, handler)
         self._jobs: dict[int, _Job] = {}
@@ -189,7 +260,15 @@ class KVOffloadWorker(OffloadingWorker):
         except ValueError as exc:
             logger.warning("kvoffload: refusing a transfer job: %s", exc)
             return KVGPUSpec([0]), SubBlockSpec([])
-        return KVGPUSpec(rows.gpu), SubBlockSpec(rows.sub_blocks)
+        if self._routes is None:
+            return KVGPUSpec(rows.gpu), SubBlockSpec(rows.sub_blocks)
+        routes = np.empty(rows.gpu.size, dtype=np.int64)
+        for k, g in enumerate(rows.groups):
+            if g >= self._routes.size:
+                logger.warning("kvoffload: refusing a transfer job: no KV cache group %d", g)
+                return KVGPUSpec([0]), SubBlockSpec([])
+            routes[rows.starts[k] : rows.starts[k + 1]] = self._routes[g]
+        return KVGPUSpec(rows.gpu), RoutedSubBlockSpec(rows.sub_blocks, routes)
 
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
