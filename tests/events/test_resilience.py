@@ -6,7 +6,6 @@ timeouts below are hang guards, never timing assertions.
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Callable
 
@@ -321,56 +320,6 @@ def test_every_tier_medium_and_block_size_zero_survive_the_subscriber(
         assert event.parent_block_hash is None
         assert event.block_hashes == hashes[:2]
     assert isinstance(got[-1], AllBlocksCleared)
-
-
-# -- publisher: replay floods never hold back live batches --------------------------
-
-
-def test_replay_flood_delays_live_batches_by_at_most_one_message(
-    make_pub: PublisherFactory,
-) -> None:
-    pub = make_pub(buffer_steps=200)
-    for _ in range(200):
-        pub.publish([AllBlocksCleared()])
-    assert pub.flush(120.0)
-    # (live batches waiting, live batches sent) before each replay message.
-    trace: list[tuple[int, int]] = []
-    send_one = pub._send_one_replay
-
-    def traced(replay: zmq.Socket) -> None:
-        trace.append((pub._queue.qsize(), pub.stats.published_batches))
-        send_one(replay)
-
-    pub._send_one_replay = traced  # type: ignore[method-assign]
-    ctx = zmq.Context()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.connect(pub.replay_endpoint)
-    try:
-        for _ in range(200):  # each asks for the whole buffer
-            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-        for _ in range(int(GUARD_S / 0.01)):
-            if pub.stats.replay_requests == 200:
-                break
-            threading.Event().wait(0.01)
-        for _ in range(50):
-            assert pub.publish([AllBlocksCleared()])
-        assert pub.flush(GUARD_S)
-        for _ in range(int(GUARD_S / 0.01)):
-            if not pub._jobs:
-                break
-            threading.Event().wait(0.01)
-        assert not pub._jobs, "replays never finished"
-    finally:
-        dealer.close(linger=0)
-        ctx.term()
-    assert pub.stats.replay_requests == 200
-    # Each request is answered from what was sent before it (seqs 0..199),
-    # less what the 50 live batches pushed out of the 200-batch buffer first.
-    assert 200 * 150 <= pub.stats.replayed_batches <= 200 * 200
-    assert pub.stats.published_batches == 250
-    for (waiting, sent), (_, sent_next) in itertools.pairwise(trace):
-        if waiting:
-            assert sent_next > sent, "a waiting live batch sat behind two replay messages"
 
 
 def test_bare_publisher_without_subscribers_answers_replays_in_turn(

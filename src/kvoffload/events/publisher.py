@@ -26,14 +26,15 @@ Invariants of :class:`ZmqEventPublisher`:
   gap that replay cannot fill, rather than silently missing state.
 * Batches go out in seq order; the replay buffer holds the last
   ``buffer_steps`` batches actually sent.
-* Live batches come first: the socket thread sends at most one replay message
-  between looking at the live queue, so any number of replay requests delays a
-  live batch by at most one replayed batch. A replay request is answered
-  with the batches sent before it arrived (those still buffered when their
-  turn comes); concurrent requests are answered round-robin, and beyond
-  ``MAX_REPLAY_JOBS`` open requests a new one gets only the end marker.
+* Live batches never wait behind replays: the live socket thread only sends
+  and appends to the replay buffer; replay requests are served by
+  :class:`kvoffload.events.replay.ReplayServer` on its own thread and ZMQ
+  context, bounded per client (see that module). A replay request is
+  answered with the batches sent before it arrived (those still buffered
+  when their turn comes); beyond ``MAX_REPLAY_JOBS`` open requests a new one
+  gets only the end marker.
 * ``shutdown`` sends everything accepted before it, then closes the sockets
-  and joins the thread within a bounded time; unfinished replays are dropped.
+  and joins the threads within a bounded time; unfinished replays are dropped.
 """
 
 from __future__ import annotations
@@ -45,13 +46,23 @@ import socket
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import zmq
 
+from kvoffload.events.replay import (
+    END_SEQ,
+    MAX_REPLAY_JOBS,
+    REPLAY_CLIENT_HWM,
+    REPLAY_STALL_S,
+    ReplayBuffer,
+    ReplayServer,
+    ReplayStats,
+    seq_from_bytes,
+    seq_to_bytes,
+)
 from kvoffload.events.types import (
     DEFAULT_PROFILE,
     PROFILE_VLLM,
@@ -64,29 +75,26 @@ from kvoffload.events.types import (
 
 logger = logging.getLogger(__name__)
 
-#: End-of-replay marker in the seq frame: -1 as 8 signed big-endian bytes.
-END_SEQ: bytes = (-1).to_bytes(8, "big", signed=True)
-
 DEFAULT_ENDPOINT = "tcp://*:5557"
 #: vLLM 0.33's default topic (``KVEventsConfig.topic``).
 DEFAULT_TOPIC = ""
 DEFAULT_BUFFER_STEPS = 10_000
 DEFAULT_HWM = 100_000
 DEFAULT_MAX_QUEUE_SIZE = 100_000
-#: Open replay requests served at once; more get the end marker at once.
-MAX_REPLAY_JOBS = 1024
+__all__ = [
+    "END_SEQ",
+    "MAX_REPLAY_JOBS",
+    "EventPublisher",
+    "NullEventPublisher",
+    "PublisherStats",
+    "ZmqEventPublisher",
+    "make_publisher",
+    "seq_from_bytes",
+    "seq_to_bytes",
+]
 
-# How many queued batches the socket thread sends before it serves one replay
-# message, so that a backlog does not starve replay clients.
+# How many queued batches the socket thread sends between checks for shutdown.
 _SEND_CHUNK = 256
-
-
-def seq_to_bytes(seq: int) -> bytes:
-    return seq.to_bytes(8, "big")
-
-
-def seq_from_bytes(data: bytes) -> int:
-    return int.from_bytes(data, "big")
 
 
 class EventPublisher(ABC):
@@ -123,23 +131,25 @@ class NullEventPublisher(EventPublisher):
 
 @dataclass
 class PublisherStats:
-    """Counters; written by the socket thread (``dropped_batches`` by publish)."""
+    """Counters; written by the socket thread (``dropped_batches`` by publish, ``replay``
+    by the replay thread)."""
 
     published_batches: int = 0
     dropped_batches: int = 0
     send_errors: int = 0
-    replay_requests: int = 0
-    replayed_batches: int = 0
-    replay_rejected: int = 0
+    replay: ReplayStats = field(default_factory=ReplayStats)
 
+    @property
+    def replay_requests(self) -> int:
+        return self.replay.requests
 
-@dataclass
-class _ReplayJob:
-    """One replay request being answered: seqs ``next_seq..last_seq`` still to send."""
+    @property
+    def replayed_batches(self) -> int:
+        return self.replay.replayed_batches
 
-    envelope: tuple[bytes, ...]
-    next_seq: int
-    last_seq: int
+    @property
+    def replay_rejected(self) -> int:
+        return self.replay.rejected
 
 
 class ZmqEventPublisher(EventPublisher):
@@ -155,6 +165,9 @@ class ZmqEventPublisher(EventPublisher):
     ``"vllm"`` profile sends None as 0, as vLLM does). ``profile`` is the wire
     profile, ``"vllm"`` or ``"legacy"``; ``int_hashes`` (vllm profile) None
     follows ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` as vLLM does.
+    ``replay_client_hwm`` / ``replay_stall_s``: replay messages one client may
+    have queued, and how long a replay that cannot send lives
+    (:mod:`kvoffload.events.replay`).
     """
 
     END_SEQ: ClassVar[bytes] = END_SEQ
@@ -174,6 +187,8 @@ class ZmqEventPublisher(EventPublisher):
         linger_s: float = 1.0,
         start_timeout_s: float = 10.0,
         shutdown_timeout_s: float = 5.0,
+        replay_client_hwm: int = REPLAY_CLIENT_HWM,
+        replay_stall_s: float = REPLAY_STALL_S,
     ) -> None:
         if not endpoint:
             raise ValueError("KV events endpoint must not be empty")
@@ -209,12 +224,10 @@ class ZmqEventPublisher(EventPublisher):
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
 
-        # Replay buffer, socket thread only: seq -> payload, and the seqs in
-        # send order for eviction (seqs of dropped batches are absent).
-        self._buffer: dict[int, bytes] = {}
-        self._buffer_order: deque[int] = deque()
-        self._last_sent_seq = -1
-        self._jobs: deque[_ReplayJob] = deque()
+        # Written by the socket thread, read by the replay thread (seqs of
+        # dropped batches are absent).
+        self._buffer = ReplayBuffer(buffer_steps)
+        self._replay: ReplayServer | None = None
         self.endpoint: str = endpoint
         self.replay_endpoint: str | None = self._requested_replay_endpoint
         self._ready = threading.Event()
@@ -233,6 +246,25 @@ class ZmqEventPublisher(EventPublisher):
                 f"cannot bind KV event sockets ({endpoint!r}, replay {replay_endpoint!r}): "
                 f"{self._start_error}"
             ) from self._start_error
+        if self._requested_replay_endpoint is not None:
+            try:
+                self._replay = ReplayServer(
+                    self._requested_replay_endpoint,
+                    self._buffer,
+                    self._topic_bytes,
+                    self.profile == PROFILE_VLLM,
+                    client_hwm=replay_client_hwm,
+                    stall_s=replay_stall_s,
+                    linger_ms=self._linger_ms,
+                )
+            except zmq.ZMQError as exc:
+                self._abort_start()
+                raise OSError(
+                    f"cannot bind KV event sockets ({endpoint!r}, replay {replay_endpoint!r}): "
+                    f"{exc}"
+                ) from exc
+            self.replay_endpoint = self._replay.endpoint
+            self.stats.replay = self._replay.stats
 
     # -- engine thread ----------------------------------------------------------
 
@@ -279,7 +311,12 @@ class ZmqEventPublisher(EventPublisher):
 
     def buffered_seqs(self) -> list[int]:
         """The seqs replay can serve now (a snapshot; for tests and tools)."""
-        return list(self._buffer_order)
+        return self._buffer.seqs()
+
+    @property
+    def open_replays(self) -> int:
+        """Replay requests being answered now (for tests and tools)."""
+        return 0 if self._replay is None else self._replay.open_jobs
 
     def shutdown(self) -> None:
         with self._lock:
@@ -288,10 +325,11 @@ class ZmqEventPublisher(EventPublisher):
             self._closed = True
         self._stop.set()
         self._wake()
+        replay_stopped = self._replay is None or self._replay.stop(self._shutdown_timeout_s)
         self._thread.join(self._shutdown_timeout_s)
-        if self._thread.is_alive():
+        if self._thread.is_alive() or not replay_stopped:
             logger.warning(
-                "KV event publisher thread did not stop within %s s", self._shutdown_timeout_s
+                "KV event publisher threads did not stop within %s s", self._shutdown_timeout_s
             )
             return
         self._close_wake()
@@ -318,9 +356,9 @@ class ZmqEventPublisher(EventPublisher):
     # -- socket thread ----------------------------------------------------------
 
     def _run(self) -> None:
-        ctx = zmq.Context()
+        # Its own context (own ZMQ I/O thread): replay traffic never shares it.
+        ctx = zmq.Context(io_threads=1)
         pub: zmq.Socket | None = None
-        replay: zmq.Socket | None = None
         try:
             try:
                 pub = ctx.socket(zmq.PUB)
@@ -328,39 +366,24 @@ class ZmqEventPublisher(EventPublisher):
                 pub.setsockopt(zmq.LINGER, self._linger_ms)
                 pub.bind(self._requested_endpoint)
                 self.endpoint = _last_endpoint(pub)
-                if self._requested_replay_endpoint is not None:
-                    replay = ctx.socket(zmq.ROUTER)
-                    # A full replay of the buffer must fit in one client's
-                    # pipe, or ROUTER would silently drop its tail; ZMQ frees
-                    # pipe room only every HWM/2 reads, hence the 2x (as vLLM).
-                    replay_hwm = 0 if self.hwm == 0 else 2 * (self.buffer_steps + 1)
-                    replay.setsockopt(zmq.SNDHWM, replay_hwm)
-                    replay.setsockopt(zmq.LINGER, self._linger_ms)
-                    replay.bind(self._requested_replay_endpoint)
-                    self.replay_endpoint = _last_endpoint(replay)
             except zmq.ZMQError as exc:
                 self._start_error = exc
                 return
             finally:
                 self._ready.set()
-            self._serve(pub, replay)
+            self._serve(pub)
         except Exception:  # pragma: no cover - a bug here must not kill silently
             logger.exception("KV event publisher thread failed")
         finally:
-            for sock in (pub, replay):
-                if sock is not None:
-                    sock.close(linger=self._linger_ms)
+            if pub is not None:
+                pub.close(linger=self._linger_ms)
             ctx.term()
 
-    def _serve(self, pub: zmq.Socket, replay: zmq.Socket | None) -> None:
+    def _serve(self, pub: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
-        if replay is not None:
-            poller.register(replay, zmq.POLLIN)
         while True:
             self._drain_wake()
-            # Requests first, so each is answered from what was sent before it.
-            self._take_replay_requests(replay)
             more_live = self._send_queued(pub, _SEND_CHUNK)
             if self._stop.is_set():
                 # shutdown() set _closed under publish()'s lock before _stop,
@@ -369,10 +392,6 @@ class ZmqEventPublisher(EventPublisher):
                 while self._send_queued(pub, _SEND_CHUNK):
                     pass
                 return
-            if self._jobs and replay is not None:
-                # One replay message, then back to the live queue.
-                self._send_one_replay(replay)
-                continue
             if more_live:
                 continue
             poller.poll()
@@ -399,86 +418,11 @@ class ZmqEventPublisher(EventPublisher):
                 self.stats.send_errors += 1
                 logger.exception("KV event batch seq=%d could not be sent", seq)
             else:
-                self._remember(seq, payload)
+                self._buffer.append(seq, payload)
                 self.stats.published_batches += 1
             finally:
                 self._queue.task_done()
         return True
-
-    def _remember(self, seq: int, payload: bytes) -> None:
-        self._last_sent_seq = seq
-        if self.buffer_steps == 0:
-            return
-        self._buffer[seq] = payload
-        self._buffer_order.append(seq)
-        if len(self._buffer_order) > self.buffer_steps:
-            del self._buffer[self._buffer_order.popleft()]
-
-    def _take_replay_requests(self, replay: zmq.Socket | None) -> None:
-        if replay is None:
-            return
-        while True:
-            try:
-                frames = replay.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._open_replay(replay, frames)
-
-    def _open_replay(self, replay: zmq.Socket, frames: list[bytes]) -> None:
-        # [identity, b"", start] from REQ (or a DEALER sending the delimiter),
-        # [identity, start] from a bare DEALER.
-        if len(frames) == 3 and frames[1] == b"":
-            envelope: tuple[bytes, ...] = (frames[0], b"")
-        elif len(frames) == 2:
-            envelope = (frames[0],)
-        else:
-            logger.warning("ignoring malformed KV event replay request (%d frames)", len(frames))
-            return
-        self.stats.replay_requests += 1
-        start = frames[-1]
-        if len(start) != 8:
-            logger.warning("KV event replay request with a %d-byte seq; want 8", len(start))
-            # Always terminate, so that a waiting client never hangs on a bad request.
-            self._send_end(replay, envelope)
-            return
-        if len(self._jobs) >= MAX_REPLAY_JOBS:
-            self.stats.replay_rejected += 1
-            self._send_end(replay, envelope)
-            return
-        self._jobs.append(_ReplayJob(envelope, seq_from_bytes(start), self._last_sent_seq))
-
-    def _send_one_replay(self, replay: zmq.Socket) -> None:
-        """Send the next message of the oldest open replay, then rotate the jobs."""
-        job = self._jobs[0]
-        seq = job.next_seq
-        last = job.last_seq
-        if self._buffer_order:
-            seq = max(seq, self._buffer_order[0])
-            last = min(last, self._buffer_order[-1])
-        else:
-            last = -1
-        # Seqs of dropped or unsendable batches are holes in the buffer; the
-        # walk is bounded by the buffer's span.
-        while seq <= last and seq not in self._buffer:
-            seq += 1
-        if seq > last:
-            self._jobs.popleft()
-            self._send_end(replay, job.envelope)
-            return
-        if self.profile == PROFILE_VLLM:
-            frames = (*job.envelope, self._topic_bytes, seq_to_bytes(seq), self._buffer[seq])
-        else:
-            frames = (*job.envelope, seq_to_bytes(seq), self._buffer[seq])
-        replay.send_multipart(frames, copy=False)
-        self.stats.replayed_batches += 1
-        job.next_seq = seq + 1
-        self._jobs.rotate(-1)
-
-    def _send_end(self, replay: zmq.Socket, envelope: tuple[bytes, ...]) -> None:
-        if self.profile == PROFILE_VLLM:
-            replay.send_multipart((*envelope, b"", END_SEQ, b""))
-        else:
-            replay.send_multipart((*envelope, END_SEQ, b""))
 
 
 def _last_endpoint(sock: zmq.Socket) -> str:
