@@ -146,11 +146,6 @@ def test_each_field_that_decides_the_bytes_changes_the_fingerprint(
     assert identity_digest(changed) != identity_digest(base)
 
 
-@pytest.mark.xfail(
-    reason="tiers/identity.py (helper hybrid-vllm, issue 32 item 1) does not fold a group's "
-    "window into the fingerprint yet",
-    strict=False,
-)
 def test_the_window_of_a_sliding_window_group_changes_the_fingerprint(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -35,6 +35,7 @@ group's layer count.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -101,6 +102,35 @@ def block_outermost(layout_name: str | None) -> bool | None:
         return None
 
 
+def group_block_bytes(config: Any) -> list[int] | None:
+    """One worker's bytes of one GPU block of each group, or None where the layout
+    does not tell them apart (block-outermost or unnamed layouts, one group, or
+    groups of equal layer counts: then every group's block is the whole block)."""
+    per_block = int(config.worker_kv_bytes_per_block)
+    layers = [max(1, len(g.layer_names)) for g in config.groups]
+    widest = max(layers, default=1)
+    layer_outer = block_outermost(getattr(config, "kv_cache_layout", None)) is False
+    if len(set(layers)) < 2 or not layer_outer or per_block <= 0 or per_block % widest:
+        return None
+    return [n * (per_block // widest) for n in layers]
+
+
+def group_layout_fingerprint(config: Any) -> str:
+    """The KV cache groups as tiers must tell them apart: per group, its kind as far as
+    vLLM's offloading config says ("full", or "window<chunks>" for sliding-window,
+    chunked-local and Mamba groups; "any" where vLLM 0.32 does not say), tokens per
+    block, layer count, bytes per block on one worker, and a digest of its layer names."""
+    per_group = group_block_bytes(config)
+    parts = []
+    for pos, g in enumerate(config.groups):
+        chunks = getattr(g, "sliding_window_size_in_chunks", "?")
+        kind = "any" if chunks == "?" else ("full" if chunks is None else f"window{chunks}")
+        nbytes = per_group[pos] if per_group is not None else int(config.worker_kv_bytes_per_block)
+        names = hashlib.sha256("\n".join(g.layer_names).encode()).hexdigest()[:8]
+        parts.append(f"{kind}/{g.tokens_per_block}x{len(g.layer_names)}/{nbytes}B/{names}")
+    return ",".join(parts)
+
+
 def plan_group_slots(
     config: Any, cpu_bytes: int, blocks_per_chunk: int, shared_rows: bool = False
 ) -> GroupSlotPlan:
@@ -113,25 +143,17 @@ def plan_group_slots(
     world = max(1, int(config.parallel.world_size))
     per_block = int(config.worker_kv_bytes_per_block)
     layers = [max(1, len(g.layer_names)) for g in config.groups]
-    widest = max(layers, default=1)
-    layer_outer = block_outermost(getattr(config, "kv_cache_layout", None)) is False
-    if (
-        shared_rows
-        or len(layers) < 2
-        or not layer_outer
-        or per_block <= 0
-        or per_block % widest
-        or len(set(layers)) == 1
-    ):
+    per_group = None if shared_rows else group_block_bytes(config)
+    if per_group is None:
         groups = tuple(range(len(layers)))
         n = _slots(cpu_bytes, per_block * blocks_per_chunk * world, "a GPU block", world)
         cls = SlotClass(groups, per_block, 0, n if per_block > 0 else 0)
         return GroupSlotPlan((cls,), (0,) * len(layers), blocks_per_chunk, world)
-    page = per_block // widest
+    page = per_block // max(layers)
     by_pages: dict[int, list[int]] = {}
     for g, n_layers in enumerate(layers):
         by_pages.setdefault(n_layers, []).append(g)
-    total = sum(n * page for n in layers)
+    total = sum(per_group)
     classes = []
     class_of = [0] * len(layers)
     for c, (pages, groups) in enumerate(sorted(by_pages.items(), reverse=True)):

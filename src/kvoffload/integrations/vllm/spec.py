@@ -36,7 +36,12 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvoffload.integrations.vllm.class_managers import ClassedCPUManager
-from kvoffload.integrations.vllm.group_slots import GroupSlotPlan, group_name, plan_group_slots
+from kvoffload.integrations.vllm.group_slots import (
+    GroupSlotPlan,
+    group_layout_fingerprint,
+    group_name,
+    plan_group_slots,
+)
 from kvoffload.integrations.vllm.manager import KVOffloadManager
 from kvoffload.integrations.vllm.settings import (
     KVOffloadConfigError,
@@ -56,7 +61,8 @@ TIERS_MODULE = "kvoffload.integrations.vllm"
 
 
 def model_identity(config: OffloadingConfig) -> str:
-    """What decides the offloaded bytes besides page geometry: model, dtype, tokens, hash."""
+    """What decides the offloaded bytes besides page geometry: model, dtype, tokens, hash,
+    and the KV cache groups (kind, window, layers, bytes per block)."""
     revision = "main"
     hash_algo = "sha256"
     try:
@@ -72,7 +78,7 @@ def model_identity(config: OffloadingConfig) -> str:
     return (
         f"vllm:{config.model.name}@{revision};kv_dtype={config.model.dtype};"
         f"tokens_per_block={blocks};tokens_per_hash={config.cache.tokens_per_hash};"
-        f"hash={hash_algo}"
+        f"hash={hash_algo};groups={group_layout_fingerprint(config)}"
     )
 
 

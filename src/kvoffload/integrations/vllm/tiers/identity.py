@@ -15,6 +15,8 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from kvoffload.integrations.vllm.group_slots import group_layout_fingerprint
+
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
 
@@ -56,7 +58,8 @@ def tier_identity(spec: OffloadingSpec, row_bytes: int, model_revision: str | No
     vLLM's current model config's revision, else "unknown"); ``dtype`` (KV
     cache dtype); ``kv_layout`` (vLLM's KV cache layout) and ``canonical``
     (the canonical byte format, or "direct"); ``groups`` (per KV cache group:
-    tokens per block, layer count and a digest of the layer names);
+    kind and window, tokens per block, layer count, bytes per block and a
+    digest of the layer names: ``group_slots.group_layout_fingerprint``);
     ``tokens_per_hash``, ``blocks_per_chunk`` and ``row_bytes`` (bytes per
     offloaded chunk, every rank's shard and padding); ``hash_fn`` and
     ``hash_seed`` (vLLM's prefix-caching hash and its ``NONE_HASH`` seed:
@@ -74,11 +77,7 @@ def tier_identity(spec: OffloadingSpec, row_bytes: int, model_revision: str | No
     if len(seed) > 32:
         # A long seed (an operator's PYTHONHASHSEED) is recorded as a digest.
         seed = "sha256:" + hashlib.sha256(seed.encode()).hexdigest()[:16]
-    groups = ",".join(
-        f"{g.tokens_per_block}x{len(g.layer_names)}:"
-        + hashlib.sha256("\n".join(g.layer_names).encode()).hexdigest()[:8]
-        for g in config.groups
-    )
+    groups = group_layout_fingerprint(config)
     canonical = "direct"
     if getattr(config, "canonical_layout", False):
         canonical = f"canonical:{getattr(config, 'kv_cache_layout', None)}"
