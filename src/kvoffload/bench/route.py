@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
     from kvoffload.bench.route_report import plot, print_table, vs_baseline
     from kvoffload.bench.route_run import RunResult, run_routed
     from kvoffload.bench.route_services import LocalRedis
+    from kvoffload.bench.route_worker import EngineProcess
     from kvoffload.bench.route_workloads import chat_requests, mooncake_requests
     from kvoffload.engine.config import EngineConfig
     from kvoffload.engine.model_runner import peek_vocab_size
@@ -138,6 +139,11 @@ def run(args: argparse.Namespace) -> int:
         redis_url = None
         if not args.no_redis:
             redis_url = args.redis_url or stack.enter_context(LocalRedis()).url
+        # One process per instance for every run (torch loads once); each run
+        # builds fresh engines in them.
+        processes = [EngineProcess(i) for i in range(max(args.instances))]
+        for proc in processes:
+            stack.callback(proc.close)
         total = sum(len(w) for w in workloads.values()) * len(args.instances) * len(args.routers)
         with Progress(
             "[progress.description]{task.description}",
@@ -155,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
                             run_routed(
                                 name,
                                 requests,
-                                n,
+                                processes[:n],
                                 make_router(router_name, seed=args.seed),
                                 base,
                                 indexer,

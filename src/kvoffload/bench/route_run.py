@@ -11,6 +11,7 @@ router picks, and the request goes to that instance's process.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 import uuid
@@ -24,7 +25,7 @@ import numpy as np
 from kvoffload.bench.route_indexer import IndexerClient, TierOverlap, free_port
 from kvoffload.bench.route_policy import Load, Router
 from kvoffload.bench.route_services import flush_redis
-from kvoffload.bench.route_worker import EngineInstance, InstanceEndpoints
+from kvoffload.bench.route_worker import EngineProcess, InstanceEndpoints
 from kvoffload.bench.route_workloads import RouteRequest
 from kvoffload.engine.config import EngineConfig
 
@@ -59,7 +60,7 @@ class RunResult:
 def run_routed(
     workload: str,
     requests: Sequence[RouteRequest],
-    num_instances: int,
+    processes: Sequence[EngineProcess],
     router: Router,
     base_config: EngineConfig,
     indexer: IndexerClient,
@@ -68,13 +69,14 @@ def run_routed(
     host: str = "127.0.0.1",
     on_done: Callable[[], None] | None = None,
 ) -> RunResult:
-    """Serve ``requests`` through ``router`` over ``num_instances`` fresh engines."""
+    """Serve ``requests`` through ``router`` over a fresh engine in each of ``processes``."""
     if redis_url is not None:
         flush_redis(redis_url)
-    model = f"route-{workload}-{num_instances}-{router.name}-{uuid.uuid4().hex[:8]}"
-    instances: list[EngineInstance] = []
+    n = len(processes)
+    model = f"route-{workload}-{n}-{router.name}-{uuid.uuid4().hex[:8]}"
+    started: list[EngineProcess] = []
     try:
-        for _ in range(num_instances):
+        for proc in processes:
             port, replay = free_port(), free_port()
             ep = InstanceEndpoints(
                 next(_instance_ids), f"tcp://{host}:{port}", f"tcp://{host}:{replay}"
@@ -85,24 +87,29 @@ def run_routed(
                 events_endpoint=ep.events,
                 events_replay_endpoint=ep.replay,
             )
-            instances.append(EngineInstance(ep, cfg))
-        for inst in instances:
-            inst.wait_ready()
-            e = inst.endpoints
+            proc.start_engine(ep, cfg)
+            started.append(proc)
+        for proc in processes:
+            proc.wait_ready()
+            e = proc.endpoints
+            assert e is not None
             indexer.register(e.instance_id, e.events, e.replay, model, base_config.block_size)
         time.sleep(SUBSCRIBE_SETTLE_S)
-        return _dispatch(
-            workload, requests, instances, router, indexer, model, concurrency, on_done
+        result = _dispatch(
+            workload, requests, list(processes), router, indexer, model, concurrency, on_done
         )
+        started.clear()  # _dispatch stopped them
+        return result
     finally:
-        for inst in instances:
-            inst.close()
+        for proc in started:  # a failed run: end the engines so the processes can be reused
+            with contextlib.suppress(RuntimeError, OSError):
+                proc.stop()
 
 
 def _dispatch(
     workload: str,
     requests: Sequence[RouteRequest],
-    instances: list[EngineInstance],
+    instances: list[EngineProcess],
     router: Router,
     indexer: IndexerClient,
     model: str,
@@ -110,7 +117,7 @@ def _dispatch(
     on_done: Callable[[], None] | None,
 ) -> RunResult:
     n = len(instances)
-    index_of = {inst.endpoints.instance_id: i for i, inst in enumerate(instances)}
+    index_of = {inst.endpoints.instance_id: i for i, inst in enumerate(instances) if inst.endpoints}
     loads = [Load() for _ in range(n)]
     placed: dict[str, tuple[int, int]] = {}  # req_id -> (instance, estimated prefill)
     outputs: list[dict[str, object]] = []
@@ -137,13 +144,11 @@ def _dispatch(
             per_instance[choice] += 1
             instances[choice].add(req.req_id, req.token_ids, req.max_tokens, req.continues)
         for conn in wait(list(conns)):
-            msg = conn.recv()  # type: ignore[union-attr]
-            if msg[0] == "error":
-                raise RuntimeError(f"engine {conns[conn] + 1}: {msg[1]}")  # type: ignore[index]
+            msg = instances[conns[conn]].recv()  # raises on an engine's error
             if msg[0] != "out":
                 continue
-            out = msg[1]
-            i, estimate = placed.pop(out["req_id"])
+            out: dict[str, object] = msg[1]  # type: ignore[assignment]
+            i, estimate = placed.pop(str(out["req_id"]))
             loads[i].requests -= 1
             loads[i].prefill_tokens -= estimate
             outputs.append(out)

@@ -1,17 +1,20 @@
-"""One engine instance of the routing bench, in its own process.
+"""The engine instances of the routing bench, each in its own process.
 
-:class:`EngineInstance` starts a process that runs the reference engine
-(``LLMEngine``) with its own GPU and CPU tiers, the shared Redis tier named by
-its config, and KV events published on its own ZMQ endpoints. The parent
-talks to it over a pipe only, so the same messages could go over a socket to
-an engine on another host:
+An :class:`EngineProcess` is a process that runs one reference engine
+(``LLMEngine``) at a time, with its own GPU and CPU tiers, the shared Redis
+tier named by its config, and KV events published on its own ZMQ endpoints.
+Each routed run builds a fresh engine in it (``start_engine``: empty tiers,
+new endpoints) and ends it (``stop``); the process, with torch imported,
+stays for the next run. The parent talks to it over a pipe only, so the same
+messages could go over a socket to an engine on another host:
 
-* parent -> child: ``("add", req_id, token_ids, max_tokens, continues)``,
-  ``("stop",)``;
+* parent -> child: ``("engine", config)`` builds an engine; then ``("add",
+  req_id, token_ids, max_tokens, continues)`` and ``("stop",)``; ``("exit",)``
+  ends the process;
 * child -> parent: ``("ready",)`` once the engine is built, one ``("out",
   {...})`` per finished request, ``("stats", {...})`` after ``stop`` (the
-  engine drained, its events flushed), ``("error", text)`` if the engine
-  failed (the process then exits).
+  engine drained, its events flushed, closed), ``("error", line, traceback)``
+  if the engine failed (the process then exits).
 
 Invariant: every request added is answered by exactly one ``out`` before
 ``stats``; the child steps the engine whenever it holds work and blocks on
@@ -93,9 +96,16 @@ def _serve(conn: Connection, config: EngineConfig) -> None:
         engine.close()
 
 
-def _main(conn: Connection, config: EngineConfig) -> None:
+def _main(conn: Connection) -> None:
     try:
-        _serve(conn, config)
+        while True:
+            msg = conn.recv()
+            if msg[0] == "exit":
+                break
+            if msg[0] == "engine":
+                _serve(conn, msg[1])
+    except EOFError:
+        pass  # the parent went away
     except Exception as exc:  # the parent must hear why, in one line
         line = f"{type(exc).__name__}: {exc}".splitlines()[0]
         with contextlib.suppress(OSError, ValueError):
@@ -104,45 +114,57 @@ def _main(conn: Connection, config: EngineConfig) -> None:
         conn.close()
 
 
-class EngineInstance:
-    """An engine process; ``send``/``recv`` speak the protocol in the module docstring."""
+class EngineProcess:
+    """One engine process; the protocol is in the module docstring."""
 
-    def __init__(self, endpoints: InstanceEndpoints, config: EngineConfig) -> None:
-        self.endpoints = endpoints
-        self.config = config
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.endpoints: InstanceEndpoints | None = None
         ctx = mp.get_context("spawn")  # a fork would copy the parent's torch threads
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(
-            target=_main, args=(child, config), name=f"engine-{endpoints.instance_id}", daemon=True
-        )
+        self.process = ctx.Process(target=_main, args=(child,), name=f"engine-{index}", daemon=True)
         self.process.start()
         child.close()
 
+    def recv(self, timeout_s: float | None = None) -> tuple[object, ...]:
+        if timeout_s is not None and not self.conn.poll(timeout_s):
+            raise RuntimeError(f"engine process {self.index}: no answer in {timeout_s:.0f}s")
+        try:
+            msg = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(
+                f"engine process {self.index} exited (exit code {self.process.exitcode})"
+            ) from None
+        if msg[0] == "error":
+            raise RuntimeError(f"engine process {self.index}: {msg[1]}")
+        return msg  # type: ignore[no-any-return]
+
+    def start_engine(self, endpoints: InstanceEndpoints, config: EngineConfig) -> None:
+        """Build a fresh engine publishing on ``endpoints`` (waits until it is ready)."""
+        self.endpoints = endpoints
+        self.conn.send(("engine", config))
+
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
-        if not self.conn.poll(timeout_s):
-            raise RuntimeError(f"engine {self.endpoints.instance_id} not ready in {timeout_s:.0f}s")
-        msg = self.conn.recv()
+        msg = self.recv(timeout_s)
         if msg[0] != "ready":
-            raise RuntimeError(f"engine {self.endpoints.instance_id} failed to start: {msg[1]}")
+            raise RuntimeError(f"engine process {self.index}: expected ready, got {msg[0]!r}")
 
     def add(self, req_id: str, token_ids: list[int], max_tokens: int, continues: bool) -> None:
         self.conn.send(("add", req_id, token_ids, max_tokens, continues))
 
     def stop(self) -> dict[str, object]:
-        """Ask the engine to finish; its final stats (waits for outstanding outputs first)."""
+        """End the engine (after its outstanding requests); its final stats."""
         self.conn.send(("stop",))
         while True:
-            msg = self.conn.recv()
+            msg = self.recv()
             if msg[0] == "stats":
-                return msg[1]  # type: ignore[no-any-return]
-            if msg[0] == "error":
-                raise RuntimeError(f"engine {self.endpoints.instance_id}: {msg[1]}")
+                return msg[1]  # type: ignore[return-value]
 
     def close(self) -> None:
-        try:
-            self.conn.close()
-        finally:
-            self.process.join(timeout=30)
-            if self.process.is_alive():
-                self.process.terminate()
-                self.process.join(timeout=10)
+        with contextlib.suppress(OSError, ValueError):
+            self.conn.send(("exit",))
+        self.conn.close()
+        self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout=10)

@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 
 from kvoffload.bench.mooncake import read_mooncake_trace
-from kvoffload.bench.serving import demo_workload
 from kvoffload.bench.workload import continuing_request_ids, generate_trace
 
 DEFAULT_MOONCAKE_TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
@@ -40,6 +39,8 @@ class RouteRequest:
 
 def chat_requests(num_requests: int, vocab_size: int, seed: int = 0) -> list[RouteRequest]:
     """``kvoffload run``'s multi-turn demo workload, ``num_requests`` turns."""
+    from kvoffload.bench.serving import demo_workload  # imports the engine (torch)
+
     trace = list(generate_trace(demo_workload(vocab_size, num_requests, seed=seed)))
     cont = continuing_request_ids(trace)
     return [
