@@ -386,7 +386,16 @@ def bench(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvoffload.bench import offload_suite_report
+
     src = parser.add_mutually_exclusive_group()
+    src.add_argument(
+        "--suite",
+        action="store_true",
+        help="replay the held-out suite instead: generated families (several seeds) and every "
+        "real trace at hand, each policy's points against vLLM's best per trace and family, "
+        "and a leave-one-family-out table (kvoffload.bench.offload_suite)",
+    )
     src.add_argument(
         "--trace",
         type=argtypes.existing_file,
@@ -438,6 +447,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", type=argtypes.output_dir, default=None, help="write table.md and plot.png here"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    offload_suite_report.add_arguments(parser)
 
 
 def _trace_from_args(args: argparse.Namespace) -> tuple[str, Trace, list[float]]:
@@ -462,6 +472,10 @@ def _capacities(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from kvoffload.bench import offload_report
 
+    if args.suite:
+        from kvoffload.bench import offload_suite_report
+
+        return offload_suite_report.run(args)
     policies = (
         policy_names()
         if args.policies == "all"
