@@ -79,12 +79,21 @@ class ThreadPoolTransferHandler(TransferHandler):
     parallel), each performing its copies and returning the bytes it moved.
     The job finishes when every shard has; it fails if any shard raised.
 
+    ``run_on_wait`` (class attribute, off by default): ``wait`` without a
+    timeout runs the waited jobs' parts that no pool thread has started yet
+    on the calling thread, instead of sleeping until a pool thread gets to
+    them. A synchronous load, waited for as soon as it is submitted, then
+    costs no hand-off, and a busy or descheduled pool thread never holds it
+    up. Each part runs exactly once (claimed under the lock), whoever runs it.
+
     Torch releases the GIL inside copies, so the threads copy in parallel.
     Each pool thread runs torch ops with ``intra_op_threads`` threads
     (default 1): parallelism comes from the pool, because a second OpenMP
     team per pool thread would spin on the same cores as the first and, on
     a small machine, cost more than it gives (measured: 4x slower on 2 cores).
     """
+
+    run_on_wait: bool = False
 
     def __init__(
         self,
@@ -109,6 +118,7 @@ class ThreadPoolTransferHandler(TransferHandler):
         self._running: set[int] = set()  # submitted, not yet finished
         self._done: list[TransferResult] = []
         self._closed = False
+        self._unclaimed: dict[int, list[_Part]] = {}  # job id -> parts nobody started
 
     @abstractmethod
     def prepare(self, job_id: int, spec: TransferSpec) -> Work | list[Work]: ...
@@ -131,11 +141,28 @@ class ThreadPoolTransferHandler(TransferHandler):
         if not parts:
             self._finish(job_id, spec, start, 0, None)
             return
+        queued = [_Part(job_id, spec, w, start) for w in parts]
         with self._cond:
             self._parts_left[job_id] = len(parts)
             self._part_bytes[job_id] = 0
-        for part in parts:
-            self._pool.submit(self._run, job_id, spec, part, start)
+            self._unclaimed[job_id] = list(queued)
+        for part in queued:
+            self._pool.submit(self._run_claimed, part)
+
+    def _claim(self, part: _Part) -> bool:
+        """Take ``part`` for the calling thread; False if another thread already has."""
+        with self._cond:
+            left = self._unclaimed.get(part.job_id)
+            if left is None or part not in left:
+                return False
+            left.remove(part)
+            if not left:
+                del self._unclaimed[part.job_id]
+            return True
+
+    def _run_claimed(self, part: _Part) -> None:
+        if self._claim(part):
+            self._run(part.job_id, part.spec, part.work, part.start)
 
     def _run(self, job_id: int, spec: TransferSpec, work: Work, start: float) -> None:
         num_bytes, error = 0, None
@@ -178,6 +205,13 @@ class ThreadPoolTransferHandler(TransferHandler):
 
     def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> bool:
         ids = set(job_ids)
+        if self.run_on_wait and timeout is None:
+            # A part run here cannot honour a timeout: only an unbounded wait helps.
+            for job_id in ids:
+                with self._cond:
+                    parts = list(self._unclaimed.get(job_id, ()))
+                for part in parts:
+                    self._run_claimed(part)
         with self._cond:
             return self._cond.wait_for(lambda: not (ids & self._running), timeout)
 
@@ -185,6 +219,18 @@ class ThreadPoolTransferHandler(TransferHandler):
         with self._cond:
             self._closed = True
         self._pool.shutdown(wait=True)
+
+
+class _Part:
+    """One independent piece of a job's work, queued on the pool (identity-compared)."""
+
+    __slots__ = ("job_id", "spec", "start", "work")
+
+    def __init__(self, job_id: int, spec: TransferSpec, work: Work, start: float) -> None:
+        self.job_id = job_id
+        self.spec = spec
+        self.work = work
+        self.start = start
 
 
 def _set_thread_intra_op(num_threads: int) -> None:
