@@ -20,6 +20,7 @@ instantly. Only decisions (stores, hits) are compared in that mode.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,16 +37,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_planning import (
-    _get_kv_cache_groups_uniform_page_size,
-    get_kv_cache_config_from_groups,
-)
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -81,6 +83,65 @@ def sliding_spec(window: int) -> SlidingWindowSpec:
         dtype=torch.float16,
         sliding_window=window,
     )
+
+
+def chunked_spec(chunk: int) -> ChunkedLocalAttentionSpec:
+    return ChunkedLocalAttentionSpec(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=NUM_KV_HEADS,
+        head_size=HEAD_SIZE,
+        dtype=torch.float16,
+        attention_chunk_size=chunk,
+    )
+
+
+def draft_spec() -> FullAttentionSpec:
+    """An EAGLE / MTP drafter's attention layer (vLLM puts it in a group of its own)."""
+    return FullAttentionSpec(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=NUM_KV_HEADS,
+        head_size=HEAD_SIZE,
+        dtype=torch.float16,
+        is_draft=True,
+    )
+
+
+def mla_spec() -> MLAAttentionSpec:
+    return MLAAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=64, dtype=torch.float16
+    )
+
+
+def mla_sliding_spec(window: int) -> SlidingWindowMLASpec:
+    return SlidingWindowMLASpec(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=1,
+        head_size=64,
+        dtype=torch.float16,
+        sliding_window=window,
+    )
+
+
+def mamba_spec() -> MambaSpec:
+    """A Mamba layer in vLLM's "align" prefix-caching mode (its state padded to the page)."""
+    return MambaSpec(
+        block_size=BLOCK_SIZE, shapes=((4, 64),), dtypes=(torch.float16,), mamba_cache_mode="align"
+    )
+
+
+#: vLLM layer layouts by kind of hybrid model (vLLM's planner groups them).
+KINDS: dict[str, Callable[[], list[KVCacheSpec]]] = {
+    "sliding_window": lambda: [full_spec(), sliding_spec(32), full_spec(), sliding_spec(32)],
+    "chunked_local": lambda: [full_spec(), chunked_spec(64), full_spec(), chunked_spec(64)],
+    "mla_sliding_window": lambda: [
+        mla_spec(),
+        mla_sliding_spec(32),
+        mla_spec(),
+        mla_sliding_spec(32),
+    ],
+    "mamba_align": lambda: [full_spec(), mamba_spec(), mamba_spec(), mamba_spec()],
+    "eagle_drafter": lambda: [full_spec(), sliding_spec(32), draft_spec()],
+}
 
 
 def layer_specs(kinds: list[KVCacheSpec]) -> dict[str, KVCacheSpec]:
@@ -133,7 +194,12 @@ class GroupsRig:
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         with set_current_vllm_config(config):
-            groups = _get_kv_cache_groups_uniform_page_size(dict(specs))
+            groups = get_kv_cache_groups(config, dict(specs))
+            for group in groups:
+                # vLLM marks the drafter's groups when it merges the models' specs.
+                group.is_eagle_group = any(
+                    getattr(specs[name], "is_draft", False) for name in group.layer_names
+                )
             per_block = sum(
                 g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups[:1]
             )
