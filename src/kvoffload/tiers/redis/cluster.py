@@ -4,8 +4,13 @@ A ``Links`` object routes a batch of keys to ``Target``s (one server, or
 each cluster master owning some of the keys) and runs one pipeline per
 target. Each target has its own ``Breaker``: a target that fails to answer
 is skipped (its keys are misses, its stores fail) for ``retry_interval_s``,
-then probed again, the wait doubling per failed probe up to
-``max_retry_interval_s``. In a cluster, one dead master therefore costs
+then one call tries it again, the wait doubling per failure up to
+``max_retry_interval_s`` (so callers pay at most one timeout per wait).
+Meanwhile a ``Prober`` (``probe``) sends one PING on a fresh connection
+every ``PROBE_INTERVAL_S`` off the callers' threads and reopens the target
+at the first answer, so a short outage ends within about a second of the
+server's return however long the back-off has grown. (The cluster's seed
+connection has no prober.) In a cluster, one dead master therefore costs
 only its own keys: the other masters keep serving.
 
 Cluster URLs: ``redis+cluster://[user:password@]host:port[,host:port...]``
@@ -31,6 +36,8 @@ from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
+
+from kvoffload.tiers.redis.probe import PROBE_INTERVAL_S, Prober, ping_on_fresh_connection
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +130,8 @@ class Breaker:
         retry_interval_s: float,
         max_retry_interval_s: float,
         log: logging.Logger = logger,
+        probe: Callable[[], None] | None = None,
+        probe_interval_s: float = PROBE_INTERVAL_S,
     ) -> None:
         self.name = name
         self.log = log
@@ -135,6 +144,18 @@ class Breaker:
         self._down_until = 0.0
         self._down_since: float | None = None
         self._lock = threading.Lock()
+        # With a probe, a down target is also reopened as soon as it answers a PING.
+        self.prober = (
+            None
+            if probe is None
+            else Prober(
+                name,
+                probe,
+                self.mark_up,
+                min(probe_interval_s, max(retry_interval_s, 0.01)),
+                self.max_retry_interval_s,
+            )
+        )
 
     @property
     def up(self) -> bool:
@@ -147,20 +168,29 @@ class Breaker:
             else:
                 self._interval = min(2 * self._interval, self.max_retry_interval_s)
             self._down_until = time.monotonic() + self._interval
-            if self._down_since is not None:
-                return
-            self._down_since = time.monotonic()
-            self.outages += 1
+            first = self._down_since is None
+            if first:
+                self._down_since = time.monotonic()
+                self.outages += 1
+        if self.prober is not None:
+            self.prober.start()
+        if not first:
+            return
+        retry = (
+            f"next try in {self.retry_interval_s:.1f}s, backing off to "
+            f"{self.max_retry_interval_s:.1f}s"
+        )
+        if self.prober is not None:
+            retry += f"; probed every {self.prober.interval_s:.1f}s"
         self.log.warning(
             "Redis tier at %s is unreachable (%s: %s); its loads are misses and its "
-            "stores fail until it is back (next try in %.1fs, backing off to %.1fs)",
+            "stores fail until it is back (%s)",
             self.shown,
             type(err).__name__,
             # The text, not the exception: a handler that keeps records (pytest's
             # does) would keep its traceback's frames, and the buffers they hold, alive.
             str(err),
-            self.retry_interval_s,
-            self.max_retry_interval_s,
+            retry,
         )
 
     def mark_up(self) -> None:
@@ -181,6 +211,10 @@ class Breaker:
     def probe_now(self) -> None:
         with self._lock:
             self._down_until = 0.0
+
+    def close(self) -> None:
+        if self.prober is not None:
+            self.prober.close()
 
     def guarded(self, fn: Callable[[], T], fallback: T) -> T:
         """``fn()``, or ``fallback`` while down or when the target does not answer."""
@@ -309,7 +343,10 @@ class StandaloneLinks(Links):
     ) -> None:
         self.shown_url = shown_url
         client = redis.Redis.from_url(url, **_client_kwargs(timeout_s))
-        self._target = Target(client, Breaker(url, shown_url, retry_s, max_retry_s, log))
+        breaker = Breaker(
+            url, shown_url, retry_s, max_retry_s, log, probe=ping_on_fresh_connection(client)
+        )
+        self._target = Target(client, breaker)
 
     def route(self, rkeys: Sequence[bytes]) -> list[tuple[Target, list[int]]]:
         return [(self._target, list(range(len(rkeys))))] if rkeys else []
@@ -318,6 +355,7 @@ class StandaloneLinks(Links):
         return [self._target]
 
     def close(self) -> None:
+        self._target.breaker.close()
         self._target.client.close()
 
 
@@ -382,7 +420,14 @@ class ClusterLinks(Links):
                 if t is None:
                     client = redis.Redis(host=node.host, port=node.port, **self._kwargs())
                     shown = f"{self.shown_url} (node {node.name})"
-                    t = Target(client, Breaker(node.name, shown, *self._retry, self._log))
+                    breaker = Breaker(
+                        node.name,
+                        shown,
+                        *self._retry,
+                        self._log,
+                        probe=ping_on_fresh_connection(client),
+                    )
+                    t = Target(client, breaker)
                     self._targets[node.name] = t
         return t
 
@@ -457,6 +502,7 @@ class ClusterLinks(Links):
 
     def close(self) -> None:
         for t in self._targets.values():
+            t.breaker.close()
             t.client.close()
         if self._cluster is not None:
             self._cluster.close()
