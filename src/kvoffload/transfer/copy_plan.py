@@ -38,6 +38,7 @@ copies: a store may use ``runs`` or ``dst_runs``, a load ``runs`` or
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -75,18 +76,18 @@ def _single_runs(a: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class RowPairs:
-    """Row pairs ordered by destination row, with run boundaries precomputed.
+    """Row pairs ordered by destination row, with run boundaries.
 
     ``dst_rows`` must be distinct (a destination written twice would depend
-    on copy order); ``src_rows`` may repeat.
+    on copy order); ``src_rows`` may repeat. ``run_starts`` is computed at
+    build; the single-side runs only when a strategy asks for them (a job
+    whose rows are consecutive on both sides never needs them, and planning
+    sits on the path of every synchronous load).
     """
 
     src_rows: np.ndarray  # sorted by dst
     dst_rows: np.ndarray  # ascending
     run_starts: np.ndarray  # into the dst-sorted arrays: both sides consecutive
-    dst_run_starts: np.ndarray  # into the dst-sorted arrays: dst consecutive
-    by_src: np.ndarray  # permutation putting the pairs in src order
-    src_run_starts: np.ndarray  # into the src-sorted arrays: src consecutive
 
     @classmethod
     def build(cls, src_rows: np.ndarray, dst_rows: np.ndarray) -> RowPairs:
@@ -94,20 +95,30 @@ class RowPairs:
         dst = np.asarray(dst_rows, dtype=np.int64)
         if src.shape != dst.shape or src.ndim != 1:
             raise ValueError(f"row pairs need equal 1-D shapes, got {src.shape} and {dst.shape}")
-        order = np.argsort(dst, kind="stable")
-        src, dst = src[order], dst[order]
-        if dst.size > 1 and not np.all(np.diff(dst) > 0):
-            dup = int(dst[np.flatnonzero(np.diff(dst) == 0)[0]])
-            raise ValueError(f"destination block {dup} appears more than once")
-        by_src = np.argsort(src, kind="stable")
-        return cls(
-            src_rows=src,
-            dst_rows=dst,
-            run_starts=_runs(src, dst),
-            dst_run_starts=_single_runs(dst),
-            by_src=by_src,
-            src_run_starts=_single_runs(src[by_src]),
-        )
+        steps = np.diff(dst)
+        if not (steps > 0).all():  # already ascending (the usual case): no sort
+            order = np.argsort(dst, kind="stable")
+            src, dst = src[order], dst[order]
+            steps = np.diff(dst)
+            if dst.size > 1 and not (steps > 0).all():
+                dup = int(dst[np.flatnonzero(steps == 0)[0]])
+                raise ValueError(f"destination block {dup} appears more than once")
+        return cls(src_rows=src, dst_rows=dst, run_starts=_runs(src, dst))
+
+    @functools.cached_property
+    def dst_run_starts(self) -> np.ndarray:
+        """Into the dst-sorted arrays: starts of runs of consecutive destination rows."""
+        return _single_runs(self.dst_rows)
+
+    @functools.cached_property
+    def by_src(self) -> np.ndarray:
+        """The permutation putting the pairs in source order."""
+        return np.argsort(self.src_rows, kind="stable")
+
+    @functools.cached_property
+    def src_run_starts(self) -> np.ndarray:
+        """Into the src-sorted arrays: starts of runs of consecutive source rows."""
+        return _single_runs(self.src_rows[self.by_src])
 
     @property
     def num_rows(self) -> int:
@@ -176,6 +187,8 @@ _ALLOWED: dict[str | None, tuple[str, ...]] = {
 
 def choose_strategy(pairs: RowPairs, groups: GroupPairs) -> str:
     """The cheapest allowed strategy by a crude model: calls x call cost + extra passes."""
+    if len(pairs.run_starts) <= 1:
+        return "runs"  # one slice copy per group: nothing is cheaper
     num_groups = len(groups.narrow)
     nbytes = pairs.num_rows * groups.bytes_per_block
     costs = {
