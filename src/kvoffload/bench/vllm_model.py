@@ -28,10 +28,14 @@ def model_is_complete(path: Path) -> bool:
     return (Path(path) / MARKER).is_file()
 
 
-def make_tiny_llama(path: str | Path, seed: int = DEFAULT_SEED) -> Path:
+def make_tiny_llama(
+    path: str | Path, seed: int = DEFAULT_SEED, num_layers: int = 2, hidden_size: int = 128
+) -> Path:
     """Write the model and tokenizer to ``path`` (idempotent: a finished directory is kept).
 
     Two seeds give two different models (different weights, same shapes).
+    ``num_layers`` / ``hidden_size`` scale it (heads of 32, half as many KV
+    heads, an MLP twice as wide), e.g. 4 x 512 and 8 x 1024 for the hit bench.
     """
     out = Path(path)
     if model_is_complete(out):
@@ -45,11 +49,11 @@ def make_tiny_llama(path: str | Path, seed: int = DEFAULT_SEED) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=hidden_size // 32,
+        num_key_value_heads=max(1, hidden_size // 64),
         head_dim=32,
         max_position_embeddings=4096,
         initializer_range=0.25,
@@ -89,8 +93,10 @@ def main() -> int:  # pragma: no cover - a convenience for the command line
     parser = argparse.ArgumentParser(description="write the tiny random Llama")
     parser.add_argument("path")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128)
     args = parser.parse_args()
-    print(make_tiny_llama(args.path, args.seed))
+    print(make_tiny_llama(args.path, args.seed, args.layers, args.hidden))
     return 0
 
 
