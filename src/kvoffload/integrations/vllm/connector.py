@@ -47,6 +47,7 @@ from kvoffload.integrations.vllm.sync_loads import (
     kv_bytes_per_token,
     native_sync_loads,
 )
+from kvoffload.integrations.vllm.window_keep import install_window_keep
 from kvoffload.integrations.vllm.worker import KVOffloadWorker
 
 SPEC_NAME = "KVOffloadSpec"
@@ -112,6 +113,8 @@ class KVOffloadConnector(OffloadingConnector):
         sched = self.connector_scheduler
         if sched is not None and not native_sync_loads(sched):
             self.emulate_sync_loads(int(extra.get(BUDGET_KEY, 0)), kv_cache_config)
+        #: Extra sliding-window stores (``window_keep``, opt-in); None when off.
+        self.window_keep = install_window_keep(sched, extra) if sched is not None else None
 
     def emulate_sync_loads(self, budget_bytes: int, kv_cache_config: Any) -> None:
         """Synchronous loads through ``SyncLoads`` (vLLM 0.32's path; on 0.33, tests

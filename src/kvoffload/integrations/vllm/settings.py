@@ -8,6 +8,9 @@ kvoffload's keys:
 - ``redis_url``: a shared Redis/Valkey tier below that (what ``--redis-url``
   takes: ``redis://``, ``rediss://``, ``valkey://``, ``unix://``,
   ``redis+cluster://host:port,host:port``);
+- ``sliding_window_keep`` / ``sliding_window_keep_every``: KVOffloadConnector
+  keeps the sliding-window chunks a hit at an earlier boundary needs
+  (``kvoffload.integrations.vllm.window_keep``; off by default);
 - ``write_through``: accepted; the lower tiers run under vLLM's tiering
   manager, which writes every block down to every lower tier as soon as it
   reaches the CPU tier (write-through) whatever the value.
@@ -43,6 +46,9 @@ KVOFFLOAD_KEYS: tuple[str, ...] = (
     "disk_bytes",
     "redis_url",
     "write_through",
+    # KVOffloadConnector's extra sliding-window stores (window_keep.py).
+    "sliding_window_keep",
+    "sliding_window_keep_every",
 )
 #: Keys vLLM's offloading connector or CPU spec reads; accepted with vLLM's meaning.
 VLLM_KEYS: tuple[str, ...] = (
