@@ -104,3 +104,20 @@ def test_a_group_with_fewer_layers_gets_slots_of_its_own_size(tmp_path: Path) ->
     assert rig.blocks_verified == len(rig.loaded_keys)
     rig.shutdown()
     reference.shutdown()
+
+
+def test_sliding_window_groups_with_a_disk_tier_below_the_cpu_tier(tmp_path: Path) -> None:
+    # Lower tiers: vLLM's tiering manager, its CPU tier in the shared region (one row
+    # size for every group, as vLLM's), kvoffload's disk tier below. A CPU tier of
+    # a few rows pushes the prompt down to disk; it comes back through the CPU rows.
+    specs = layer_specs([full_spec(), sliding_spec(32), full_spec(), sliding_spec(32)])
+    extra = {"cpu_bytes": "256KiB", "disk_dir": str(tmp_path / "disk"), "disk_bytes": "64MiB"}
+    rig = GroupsRig.build(tmp_path / "kvoffload", specs, extra, CONNECTOR)
+    spec = rig.worker_connector.connector_worker.spec
+    assert spec.tiered and spec.slot_plan.single
+    serve_evict_return(rig, n_flood=4)
+    assert rig.first_computed["again"] > 0
+    assert {int.from_bytes(k[-4:], "big") for k in rig.loaded_keys} == {0, 1}
+    assert not rig.mismatches and rig.blocks_verified == len(rig.loaded_keys)
+    assert any((tmp_path / "disk").rglob("*")), "nothing reached the disk tier"
+    rig.shutdown()

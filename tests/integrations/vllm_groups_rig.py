@@ -20,6 +20,7 @@ instantly. Only decisions (stores, hits) are compared in that mode.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,6 +155,111 @@ def pattern(block_hash: bytes, group: int, layer: str, nbytes: int) -> np.ndarra
     return np.frombuffer(bytearray(hashlib.shake_128(seed).digest(nbytes)), dtype=np.uint8)
 
 
+def hybrid_vllm_config(
+    model_dir: Path,
+    num_gpu_blocks: int,
+    extra_config: dict[str, Any],
+    connector: dict[str, Any],
+    tp: int = 1,
+    rank: int = 0,
+    engine_id: str | None = None,
+) -> VllmConfig:
+    """The tiny model's CPU config with vLLM's hybrid allocator on (vLLM's CPU platform
+    turns it off by default) and a layer-outermost KV layout, as a CUDA engine has."""
+    config = vllm_config(model_dir, num_gpu_blocks, extra_config, connector=connector)
+    config.cache_config.kv_cache_layout = LAYOUT
+    config.cache_config.num_gpu_blocks = num_gpu_blocks
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    config.parallel_config.tensor_parallel_size = tp
+    config.parallel_config.world_size = tp
+    config.parallel_config.rank = rank
+    if engine_id is not None:
+        assert config.kv_transfer_config is not None
+        config.kv_transfer_config.engine_id = engine_id
+    return config
+
+
+def groups_kv_cache_config(
+    config: VllmConfig, specs: dict[str, KVCacheSpec], num_gpu_blocks: int
+) -> KVCacheConfig:
+    """vLLM's groups and KV tensors for these layers (call under ``set_current_vllm_config``)."""
+    groups = get_kv_cache_groups(config, dict(specs))
+    for group in groups:
+        # vLLM marks the drafter's groups when it merges the models' specs.
+        group.is_eagle_group = any(
+            getattr(specs[name], "is_draft", False) for name in group.layer_names
+        )
+    per_block = sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups[:1])
+    kcc = get_kv_cache_config_from_groups(config, groups, per_block * num_gpu_blocks)
+    kcc.num_blocks = num_gpu_blocks
+    return kcc
+
+
+def full_blocks(scheduler: Scheduler, output: Any) -> list[tuple[int, int, bytes]]:
+    """(group, GPU block, hash) of every block that this step's tokens made full."""
+    out = []
+    for req_id, n in output.num_scheduled_tokens.items():
+        request = scheduler.requests.get(req_id)
+        if request is None:
+            continue
+        end = request.num_computed_tokens
+        for g, ids in enumerate(scheduler.kv_cache_manager.get_block_ids(req_id)):
+            for idx in range((end - n) // BLOCK_SIZE, end // BLOCK_SIZE):
+                if idx < len(ids) and idx < len(request.block_hashes) and ids[idx] != 0:
+                    out.append((g, ids[idx], bytes(request.block_hashes[idx])))
+    return out
+
+
+def load_blocks(
+    scheduler: Scheduler, metadata: Any
+) -> dict[int, tuple[str, list[tuple[int, int, bytes]], bool]]:
+    """Per load job: its request, the (group, GPU block, hash) it writes, whether it is sync."""
+    out = {}
+    for job_id, job in metadata.load_jobs.items():
+        request = scheduler.requests[job.req_id]
+        dst = job.dst_spec
+        blocks = []
+        at = 0
+        for g, (n, first) in enumerate(zip(dst.group_sizes, dst.block_indices)):
+            for i in range(n):
+                h = bytes(request.block_hashes[first + i])
+                blocks.append((g, int(dst.block_ids[at + i]), h))
+            at += n
+        out[job_id] = (job.req_id, blocks, bool(getattr(job, "sync", False)))
+    return out
+
+
+class LayerPatterns:
+    """Writes and checks the fake model's KV: a pattern per (block hash, group, layer, salt)."""
+
+    def __init__(
+        self, kv_caches: dict[str, torch.Tensor], kcc: KVCacheConfig, salt: str = ""
+    ) -> None:
+        self.kv_caches = kv_caches
+        self.layers = [list(g.layer_names) for g in kcc.kv_cache_groups]
+        self.salt = salt
+
+    def _page(self, layer: str, block_id: int) -> torch.Tensor:
+        return self.kv_caches[layer][block_id].view(torch.uint8).reshape(-1)
+
+    def write(self, group: int, block_id: int, block_hash: bytes) -> None:
+        for layer in self.layers[group]:
+            page = self._page(layer, block_id)
+            want = pattern(block_hash, group, layer + self.salt, page.numel())
+            page.copy_(torch.from_numpy(want))
+
+    def check(self, group: int, block_id: int, block_hash: bytes) -> int | None:
+        """Bytes equal to the pattern, or None if any layer's page differs."""
+        n = 0
+        for layer in self.layers[group]:
+            page = self._page(layer, block_id)
+            want = pattern(block_hash, group, layer + self.salt, page.numel())
+            if not np.array_equal(page.numpy(), want):
+                return None
+            n += page.numel()
+        return n
+
+
 @dataclass
 class _Load:
     req_id: str
@@ -188,24 +294,11 @@ class GroupsRig:
         instant: bool = False,
     ) -> GroupsRig:
         model_dir = write_tiny_llama(tmp_path / "tiny")
-        config = vllm_config(model_dir, num_gpu_blocks, extra_config, connector=connector)
-        config.cache_config.kv_cache_layout = LAYOUT
-        config.scheduler_config.disable_hybrid_kv_cache_manager = False
+        config = hybrid_vllm_config(model_dir, num_gpu_blocks, extra_config, connector)
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         with set_current_vllm_config(config):
-            groups = get_kv_cache_groups(config, dict(specs))
-            for group in groups:
-                # vLLM marks the drafter's groups when it merges the models' specs.
-                group.is_eagle_group = any(
-                    getattr(specs[name], "is_draft", False) for name in group.layer_names
-                )
-            per_block = sum(
-                g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in groups[:1]
-            )
-            kcc = get_kv_cache_config_from_groups(config, groups, per_block * num_gpu_blocks)
-            kcc.num_blocks = num_gpu_blocks
-            config.cache_config.num_gpu_blocks = num_gpu_blocks
+            kcc = groups_kv_cache_config(config, specs, num_gpu_blocks)
             worker = None
             kv_caches: dict[str, torch.Tensor] = {}
             if not instant:
@@ -233,57 +326,34 @@ class GroupsRig:
 
     # -- the fake model runner ---------------------------------------------------------
 
-    def _page(self, layer: str, block_id: int) -> torch.Tensor:
-        return self.kv_caches[layer][block_id].view(torch.uint8).reshape(-1)
+    @property
+    def patterns(self) -> LayerPatterns:
+        return LayerPatterns(self.kv_caches, self.kcc)
 
     def _compute(self, output: Any) -> None:
         if self.instant:
             return
-        for req_id, n in output.num_scheduled_tokens.items():
-            request = self.scheduler.requests.get(req_id)
-            if request is None:
-                continue
-            end = request.num_computed_tokens
-            block_ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)
-            for g, ids in enumerate(block_ids):
-                for idx in range((end - n) // BLOCK_SIZE, end // BLOCK_SIZE):
-                    if idx >= len(ids) or idx >= len(request.block_hashes) or ids[idx] == 0:
-                        continue
-                    h = bytes(request.block_hashes[idx])
-                    for layer in self.groups[g].layer_names:
-                        page = self._page(layer, ids[idx])
-                        page.copy_(torch.from_numpy(pattern(h, g, layer, page.numel())))
+        patterns = self.patterns
+        for g, block_id, block_hash in full_blocks(self.scheduler, output):
+            patterns.write(g, block_id, block_hash)
 
     def _note_loads(self, metadata: Any) -> None:
-        for job_id, job in metadata.load_jobs.items():
-            request = self.scheduler.requests[job.req_id]
-            dst = job.dst_spec
-            blocks = []
-            at = 0
-            for g, (n, first) in enumerate(zip(dst.group_sizes, dst.block_indices)):
-                for i in range(n):
-                    bid = int(dst.block_ids[at + i])
-                    blocks.append((g, bid, bytes(request.block_hashes[first + i])))
-                at += n
-            self._pending[job_id] = _Load(job.req_id, blocks)
+        for job_id, (req_id, blocks, _sync) in load_blocks(self.scheduler, metadata).items():
+            self._pending[job_id] = _Load(req_id, blocks)
 
     def _verify(self, job_ids: list[int]) -> None:
+        patterns = self.patterns
         for job_id in job_ids:
             load = self._pending.pop(job_id, None)
             if load is None:
                 continue
             for g, bid, h in load.blocks:
-                ok = True
-                for layer in self.groups[g].layer_names:
-                    page = self._page(layer, bid)
-                    if not np.array_equal(page.numpy(), pattern(h, g, layer, page.numel())):
-                        ok = False
-                        break
-                    self.bytes_verified += page.numel()
-                if ok:
-                    self.blocks_verified += 1
-                else:
+                n = patterns.check(g, bid, h)
+                if n is None:
                     self.mismatches.append((load.req_id, g, bid))
+                else:
+                    self.bytes_verified += n
+                    self.blocks_verified += 1
 
     def _record_jobs(self, metadata: Any) -> None:
         jobs = self.scheduler.connector.connector_scheduler._jobs  # type: ignore[union-attr]
@@ -349,16 +419,23 @@ class GroupsRig:
 
     def run(self, max_steps: int = 300) -> None:
         for _ in range(max_steps):
-            in_flight = (
-                self.worker_connector is not None
-                and self.worker_connector.connector_worker.worker.num_in_flight() > 0
-            )
-            if not self.scheduler.has_requests() and not in_flight:
+            if not self.scheduler.has_requests() and not self._busy():
                 return
             output = self.step()
             if not output.total_num_scheduled_tokens and self.worker_connector is not None:
                 assert self.worker_connector.connector_worker.worker.wait_all(timeout=60)
+                # vLLM's tiering (lower tiers): the scheduler process answers later.
+                time.sleep(0.002)
         raise AssertionError(f"engine still busy after {max_steps} steps")
+
+    def _busy(self) -> bool:
+        if self.worker_connector is None:
+            return False
+        if self.worker_connector.connector_worker.worker.num_in_flight() > 0:
+            return True
+        manager = self.scheduler.connector.connector_scheduler.manager  # type: ignore[union-attr]
+        pending = getattr(manager, "has_pending_work", None)
+        return bool(pending()) if pending is not None else False
 
     def shutdown(self) -> None:
         if self.scheduler.connector is not None:
