@@ -11,6 +11,13 @@ are ``range(num_blocks)``; the policy's resident keys are exactly the stored
 keys (``_slot_of`` minus ``_storing``) and its pinned keys exactly ``_refs``.
 Every operation costs O(len(keys)) (amortised, in the policy): nothing scans
 all stored blocks.
+
+With a ``group_layout`` of two groups or more (hybrid models: one key per
+chunk per group), the policy is wrapped in ``ChunkUnitPolicy``: the policy
+ranks chunks, a chunk's keys are evicted together, and windowed groups' keys
+that no hit boundary can reach go first (see ``kvoffload.offload.chunk_units``).
+With one group or none, nothing is wrapped: decisions and speed are the
+per-key ones.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from itertools import takewhile
+from typing import cast
 
 from kvoffload.offload.base import (
     CPULoadStoreSpec,
@@ -29,6 +37,7 @@ from kvoffload.offload.base import (
     reassign_slots,
     release_pins,
 )
+from kvoffload.offload.chunk_units import ChunkUnitPolicy, GroupLayout, uses_chunk_units
 from kvoffload.offload.policies.base import CachePolicy
 from kvoffload.offload.policies.registry import make_policy
 
@@ -53,6 +62,11 @@ class CPUOffloadingManager(OffloadingManager):
     ``prepare_store`` returns, besides the contract's fields, ``evicted_spec``:
     the slots the evicted keys occupied, so a tiered manager above can copy
     them to a lower tier before this store's transfer overwrites them.
+
+    ``group_layout``: the KV cache groups, indexed by a key's group index
+    (``GroupLayout(kind, sliding_window, tokens_per_chunk, slot_bytes)``). With
+    two groups or more a store may evict a few more keys than it needs (a
+    chunk goes whole).
     """
 
     def __init__(
@@ -60,12 +74,16 @@ class CPUOffloadingManager(OffloadingManager):
         num_blocks: int,
         cache_policy: str = DEFAULT_CACHE_POLICY,
         enable_events: bool = False,
+        group_layout: Sequence[GroupLayout] | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self._num_blocks = num_blocks
         self.cache_policy = cache_policy
-        self.policy: CachePolicy = make_policy(cache_policy, num_blocks)
+        self.group_layout: tuple[GroupLayout, ...] | None = (
+            tuple(group_layout) if group_layout is not None else None
+        )
+        self.policy: CachePolicy = self._new_policy()
         self._hints = type(self.policy).hint_parent is not CachePolicy.hint_parent
         self.enable_events = enable_events
         # Lowest slot ids first: pop() from the end.
@@ -76,6 +94,14 @@ class CPUOffloadingManager(OffloadingManager):
         self._events: list[OffloadingEvent] = []
         # Queue hints outlive a reset (the requests still wait): re-announced to the new policy.
         self._queued: dict[str, list[OffloadKey]] = {}
+
+    def _new_policy(self) -> CachePolicy:
+        policy = make_policy(self.cache_policy, self._num_blocks)
+        if uses_chunk_units(self.group_layout):
+            policy = ChunkUnitPolicy(policy, cast(tuple[GroupLayout, ...], self.group_layout))
+        # Set here, not per call: the per-key path pays nothing for the unit layer.
+        self._units = policy if isinstance(policy, ChunkUnitPolicy) else None
+        return policy
 
     # -- introspection ------------------------------------------------------
 
@@ -178,6 +204,8 @@ class CPUOffloadingManager(OffloadingManager):
         new = (
             unique if slot_of.keys().isdisjoint(unique) else [k for k in unique if k not in slot_of]
         )
+        if self._units is not None:
+            return self._prepare_store_units(self._units, unique, new)
         if self._hints and len(new) < len(unique):
             self._hint_continuations(unique)
         if not new:
@@ -210,6 +238,26 @@ class CPUOffloadingManager(OffloadingManager):
         if victims and self.enable_events:
             self._events.append(OffloadingEvent(victims, self.medium, removed=True))
         self._storing.update(new)
+        return PrepareStoreOutput(
+            new, CPULoadStoreSpec(slots), victims, CPULoadStoreSpec(victim_slots)
+        )
+
+    def _prepare_store_units(
+        self, units: ChunkUnitPolicy, unique: list[OffloadKey], new: list[OffloadKey]
+    ) -> PrepareStoreOutput | None:
+        """``prepare_store`` with several groups: the unit layer picks victims (chunks whole)."""
+        if not new:
+            return PrepareStoreOutput([], CPULoadStoreSpec([]), [], CPULoadStoreSpec([]))
+        # Keys of this store still in flight from another job are neither victims nor room.
+        storing = self._storing
+        offered = unique if storing.isdisjoint(unique) else [k for k in unique if k not in storing]
+        victims = units.make_room(len(new) - len(self._free), offered, new)
+        if victims is None:
+            return None
+        slots, victim_slots = reassign_slots(self._slot_of, self._free, victims, new)
+        if victims and self.enable_events:
+            self._events.append(OffloadingEvent(victims, self.medium, removed=True))
+        storing.update(new)
         return PrepareStoreOutput(
             new, CPULoadStoreSpec(slots), victims, CPULoadStoreSpec(victim_slots)
         )
@@ -258,6 +306,8 @@ class CPUOffloadingManager(OffloadingManager):
         else:
             slot_of = self._slot_of
             self._free.extend(slot_of.pop(k) for k in keys)
+            if self._units is not None:
+                self._units.abandon(keys)
 
     # -- hints (forwarded to the policy, which owns what they mean) --------------
 
@@ -282,7 +332,7 @@ class CPUOffloadingManager(OffloadingManager):
         if not force and not self.can_reset_cache():
             return False
         stored = [k for k in self._slot_of if k not in self._storing]
-        self.policy = make_policy(self.cache_policy, self._num_blocks)
+        self.policy = self._new_policy()
         for request_id, queued in self._queued.items():
             self.policy.hint_queued(request_id, queued)
         self._free = list(range(self._num_blocks - 1, -1, -1))

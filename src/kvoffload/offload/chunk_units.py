@@ -1,0 +1,506 @@
+"""A chunk's keys as one unit: the policy layer for tiers holding several KV cache groups.
+
+With hybrid models a tier holds one key per chunk per group
+(``OffloadKey`` = block hash + 4-byte group index). A hit at a chunk
+boundary needs every full-attention group's key of every chunk before it
+and each windowed group's keys of the last few chunks before it: evicting
+one group's key of such a chunk loses the hit for all groups. Per-key
+policies do exactly that (they rank each group's key on its own), so this
+layer sits between ``CPUOffloadingManager`` and its policy and shows the
+policy one *unit* per chunk (the block hash) instead of one key per group.
+
+Keys of the tier, by state (``ChunkUnitPolicy`` keeps the first two):
+
+- *held*: stored keys a hit can use. A unit is resident in the inner policy
+  exactly while it holds at least one held key, and is evicted whole (every
+  stored key of its chunk, dead ones included).
+- *dead*: stored keys of a windowed group (sliding window, chunked local
+  attention, Mamba state) that no known boundary can reach: a hit ending at
+  chunk boundary ``e`` needs a windowed group's keys of chunks
+  ``[e - reach, e)`` only. Known boundaries are the end of every store's run
+  of a group's keys (a request's prompt ends there: a later turn or the same
+  prompt hits there) and every place a lookup or a store continued a stored
+  chain (requests diverged there). Dead keys are evicted first, oldest
+  first; a dead key that is loaded, touched or reached by a new boundary is
+  held again ("revived").
+- *pending*: keys of a store in flight. A unit with a pending or pinned
+  key is *busy*: pinned in the inner policy, so never evicted while part of
+  its chunk is being written or read.
+
+Invariants (checked by tests/offload/test_chunk_units*.py):
+
+- ``num_evictable()`` is the number of slots one store can take by eviction:
+  the dead keys not pinned plus the held keys of resident units that are not
+  busy. It equals ``len(_dead) + _idle``.
+- A store's victims are dead keys first (oldest first), then whole units in
+  the inner policy's order; a unit evicted by the inner policy loses all its
+  stored keys at once. No other key is ever dropped alone.
+- The inner policy sees each unit as one key and the usual ``CachePolicy``
+  guarantees (insert of a new unpinned unit, pin of a resident unpinned one,
+  ``evict(n)`` with ``n <= num_evictable()``).
+
+Every operation costs O(keys of the call) plus O(reach) per boundary
+(walking back along chain links): nothing scans the stored keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvoffload.offload.base import OffloadKey
+from kvoffload.offload.policies import CachePolicy
+
+FULL_ATTENTION = "full_attention"
+SLIDING_WINDOW = "sliding_window"
+CHUNKED_LOCAL = "chunked_local"
+MAMBA = "mamba"
+GROUP_KINDS = (FULL_ATTENTION, SLIDING_WINDOW, CHUNKED_LOCAL, MAMBA)
+
+_SUFFIX = 4  # bytes of the group index at the end of an OffloadKey
+
+
+@dataclass(frozen=True, slots=True)
+class GroupLayout:
+    """What the tier must know of one KV cache group to keep its useful keys.
+
+    ``kind``: one of ``GROUP_KINDS`` (MLA, EAGLE / MTP drafter groups and other
+    groups that need every chunk of a prefix are ``full_attention``);
+    ``sliding_window``: the window in tokens (sliding window) or the attention
+    chunk in tokens (chunked local attention), None otherwise;
+    ``tokens_per_chunk``: tokens per offloaded chunk (one key) of this group;
+    ``slot_bytes``: bytes one key of this group occupies in the tier (reported,
+    not used for decisions).
+    """
+
+    kind: str = FULL_ATTENTION
+    sliding_window: int | None = None
+    tokens_per_chunk: int = 16
+    slot_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in GROUP_KINDS:
+            raise ValueError(f"unknown KV cache group kind {self.kind!r}; known: {GROUP_KINDS}")
+        if self.tokens_per_chunk < 1:
+            raise ValueError(f"tokens_per_chunk must be positive, got {self.tokens_per_chunk}")
+        windowed = self.kind in (SLIDING_WINDOW, CHUNKED_LOCAL)
+        if windowed and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError(f"a {self.kind} group needs a positive sliding_window")
+
+    @property
+    def reach_chunks(self) -> int | None:
+        """How many chunks before a hit boundary a hit needs of this group; None: all.
+
+        A sliding window of W tokens needs the chunks holding the last W - 1
+        tokens before the boundary plus one for a boundary that falls inside
+        a chunk (vLLM's load window); chunked local attention at most one
+        attention chunk plus that one; a Mamba group only the state at the
+        boundary.
+        """
+        if self.kind == MAMBA:
+            return 1
+        if self.sliding_window is None:
+            return None
+        t = self.tokens_per_chunk
+        return -(-(self.sliding_window - 1) // t) + 1
+
+
+def uses_chunk_units(layout: Sequence[GroupLayout] | None) -> bool:
+    """Whether a tier with ``layout`` needs the unit layer (two groups or more)."""
+    return layout is not None and len(layout) > 1
+
+
+class ChunkUnitPolicy(CachePolicy):
+    """``inner`` ranks chunks (one unit key per block hash); this layer maps keys to units.
+
+    Used by ``CPUOffloadingManager`` when it holds several groups: the manager
+    calls ``make_room`` instead of ``evict`` and ``abandon`` for a failed
+    store, and the ``CachePolicy`` methods otherwise. ``len`` and
+    ``num_evictable`` count keys (slots), not units.
+    """
+
+    name = "chunk_units"
+
+    def __init__(self, inner: CachePolicy, layout: Sequence[GroupLayout]) -> None:
+        super().__init__(inner.capacity)
+        self.inner = inner
+        self.layout = tuple(layout)
+        # Windowed groups by key suffix: how many chunks before a boundary they must keep.
+        self._reach: dict[bytes, int] = {}
+        full: list[bytes] = []
+        for idx, group in enumerate(self.layout):
+            suffix = idx.to_bytes(_SUFFIX, "big")
+            reach = group.reach_chunks
+            if reach is None:
+                full.append(suffix)
+            else:
+                self._reach[suffix] = reach
+        # Chain links come from the groups whose keys cover every chunk.
+        self._link_suffixes = frozenset(full) if full else None
+        self._max_reach = max(self._reach.values(), default=0)
+        cls = type(inner)
+        self._inner_hints = cls.hint_parent is not CachePolicy.hint_parent
+        self._inner_admits = cls.admit is not CachePolicy.admit
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        self._stored: set[OffloadKey] = set()
+        self._members: dict[bytes, list[OffloadKey]] = {}  # unit -> its stored keys
+        self._nheld: dict[bytes, int] = {}  # unit -> held keys (> 0: resident in inner)
+        self._busy: dict[bytes, int] = {}  # unit -> pending + pinned keys (> 0 only)
+        self._pending: set[OffloadKey] = set()
+        self._dead: dict[OffloadKey, None] = {}  # dead, not pinned; oldest first
+        self._dead_pinned: set[OffloadKey] = set()
+        self._idle = 0  # held keys of resident units that are not busy
+        self._prev: dict[bytes, bytes] = {}  # unit -> the unit before it in its chain
+        self._boundary: set[bytes] = set()  # units a hit boundary follows
+        self._units_max = max(len(self.layout), 1)  # most stored keys one unit can hold
+
+    def clear(self) -> None:
+        self.inner.clear()
+        self._reset_state()
+
+    # -- introspection ----------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._stored)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._stored
+
+    def num_evictable(self) -> int:
+        return len(self._dead) + self._idle
+
+    def is_dead(self, key: OffloadKey) -> bool:
+        """Whether ``key`` is stored and out of reach of every known boundary."""
+        return key in self._dead or key in self._dead_pinned
+
+    def dead_keys(self) -> list[OffloadKey]:
+        """Dead keys not pinned, in eviction order."""
+        return list(self._dead)
+
+    def num_units(self) -> int:
+        """Chunks with at least one stored key."""
+        return len(self._members)
+
+    # -- busy units (pinned in the inner policy) -------------------------------
+
+    def _busy_up(self, unit: bytes) -> None:
+        b = self._busy.get(unit, 0)
+        self._busy[unit] = b + 1
+        if b == 0:
+            held = self._nheld.get(unit)
+            if held:
+                self.inner.pin([unit])
+                self._idle -= held
+
+    def _busy_down(self, unit: bytes) -> None:
+        b = self._busy[unit] - 1
+        if b:
+            self._busy[unit] = b
+            return
+        del self._busy[unit]
+        held = self._nheld.get(unit)
+        if held:
+            self.inner.unpin([unit])
+            self._idle += held
+
+    # -- held / dead -------------------------------------------------------------
+
+    def _hold(self, unit: bytes, fresh: dict[bytes, None]) -> None:
+        """Count one more held key of ``unit``; a unit that just became resident joins ``fresh``
+        (``_enter_inner`` counts its idle keys then)."""
+        n = self._nheld.get(unit, 0)
+        self._nheld[unit] = n + 1
+        if n == 0:
+            fresh[unit] = None
+        elif unit not in fresh and unit not in self._busy:
+            self._idle += 1
+
+    def _enter_inner(self, units: list[bytes]) -> None:
+        """Units that just became resident: insert (chain order), then pin the busy ones."""
+        self.inner.insert(units)
+        busy = [u for u in units if u in self._busy]
+        if busy:
+            self.inner.pin(busy)
+        nheld = self._nheld
+        self._idle += sum(nheld[u] for u in units if u not in self._busy)
+
+    def _revive(self, key: OffloadKey) -> None:
+        """A dead key is reached by a boundary or used: it becomes held."""
+        if key in self._dead:
+            del self._dead[key]
+        elif key in self._dead_pinned:
+            self._dead_pinned.discard(key)
+        else:
+            return
+        fresh: dict[bytes, None] = {}
+        self._hold(key[:-_SUFFIX], fresh)
+        if fresh:
+            self._enter_inner(list(fresh))
+
+    def _mark_back(self, unit: bytes, steps: int) -> None:
+        """A boundary follows ``unit``: revive windowed keys of the ``steps`` chunks up to it."""
+        reach, prev, dead_any = self._reach, self._prev, self._dead or self._dead_pinned
+        for back in range(steps):
+            if dead_any:
+                for suffix, r in reach.items():
+                    if back < r:
+                        self._revive(OffloadKey(unit + suffix))
+            nxt = prev.get(unit)
+            if nxt is None:
+                return
+            unit = nxt
+
+    def _forget_unit(self, unit: bytes) -> None:
+        self._prev.pop(unit, None)
+        self._boundary.discard(unit)
+
+    def _drop_dead(self, key: OffloadKey) -> None:
+        """Evict one dead key (already out of ``_dead``)."""
+        self._stored.discard(key)
+        unit = key[:-_SUFFIX]
+        members = self._members[unit]
+        members.remove(key)
+        if not members:
+            del self._members[unit]
+            if unit not in self._busy:
+                self._forget_unit(unit)
+
+    def _drop_unit(self, unit: bytes) -> list[OffloadKey]:
+        """The inner policy evicted ``unit`` (resident, not busy): every stored key goes."""
+        keys = self._members.pop(unit)
+        self._idle -= self._nheld.pop(unit)
+        stored, dead = self._stored, self._dead
+        for key in keys:
+            stored.discard(key)
+            dead.pop(key, None)
+        self._forget_unit(unit)
+        return keys
+
+    # -- CachePolicy: what the manager reports ---------------------------------
+
+    def insert(self, keys: Sequence[OffloadKey]) -> None:
+        """Stores completed: pending keys become held, or dead when out of reach."""
+        pending = self._pending
+        for key in keys:
+            if key in pending:
+                pending.discard(key)
+                self._busy_down(key[:-_SUFFIX])
+        live = self._classify(keys)
+        fresh: dict[bytes, None] = {}
+        stored, members, dead = self._stored, self._members, self._dead
+        for key, is_live in zip(keys, live):
+            unit = key[:-_SUFFIX]
+            stored.add(key)
+            members.setdefault(unit, []).append(key)
+            if (n := len(members[unit])) > self._units_max:
+                self._units_max = n
+            if is_live:
+                self._hold(unit, fresh)
+            else:
+                dead[key] = None
+        if fresh:
+            self._enter_inner(list(fresh))
+
+    def _classify(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        """Per key: held (True) or dead. Also learns chain links and run-end boundaries.
+
+        Keys of one call come as runs of one group's keys in chain order (a
+        request's chunks; vLLM's stores list group after group). A run's end
+        is a boundary (a prompt ends there); a windowed key is live when a
+        boundary follows its chunk within its group's reach.
+        """
+        n = len(keys)
+        live = [True] * n
+        if not self._reach and self._link_suffixes is None:
+            return live
+        link, reach, prev, boundary = self._link_suffixes, self._reach, self._prev, self._boundary
+        i = 0
+        while i < n:
+            suffix = keys[i][-_SUFFIX:]
+            j = i + 1
+            while j < n and keys[j][-_SUFFIX:] == suffix:
+                j += 1
+            if link is None or suffix in link:
+                for a, b in zip(keys[i : j - 1], keys[i + 1 : j]):
+                    ua, ub = a[:-_SUFFIX], b[:-_SUFFIX]
+                    if ua != ub:
+                        prev[ub] = ua
+            r = reach.get(suffix)
+            if r is not None:
+                boundary.add(keys[j - 1][:-_SUFFIX])
+                since = 0
+                for k in range(j - 1, i - 1, -1):
+                    if keys[k][:-_SUFFIX] in boundary:
+                        since = 0
+                    live[k] = since < r
+                    since += 1
+            i = j
+        return live
+
+    def access(self, keys: Sequence[OffloadKey]) -> None:
+        """A hit used ``keys``: dead ones among them are held again; their units are used."""
+        if self._dead or self._dead_pinned:
+            for key in keys:
+                self._revive(key)
+        units = [u for u in dict.fromkeys(k[:-_SUFFIX] for k in keys) if u in self._nheld]
+        if units:
+            self.inner.access(units)
+
+    def pin(self, keys: Sequence[OffloadKey]) -> None:
+        for key in keys:
+            if key in self._dead:
+                del self._dead[key]
+                self._dead_pinned.add(key)
+            self._busy_up(key[:-_SUFFIX])
+
+    def unpin(self, keys: Sequence[OffloadKey]) -> None:
+        for key in keys:
+            if key in self._dead_pinned:
+                self._dead_pinned.discard(key)
+                self._dead[key] = None
+            self._busy_down(key[:-_SUFFIX])
+
+    def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
+        """``CachePolicy.evict`` for callers without ``make_room``; may return more than n."""
+        victims = self.make_room(n, incoming, incoming)
+        if victims is None:
+            raise ValueError(f"cannot evict {n} keys: {self.num_evictable()} evictable")
+        return victims
+
+    # -- the manager's store path ----------------------------------------------
+
+    def make_room(
+        self, need: int, offered: Sequence[OffloadKey], new: Sequence[OffloadKey]
+    ) -> list[OffloadKey] | None:
+        """Evict at least ``need`` keys for a store of ``new`` (distinct, not held yet).
+
+        ``offered``: the store's distinct keys in chain order (``new`` and keys
+        already stored, which are kept). From here until ``insert`` or
+        ``abandon`` the new keys are pending and their units busy (so a chunk
+        is not evicted to make room for its own other groups). Returns the
+        victims (dead keys first, then whole units; possibly a few more than
+        ``need``: a unit goes whole), or None, with nothing changed, when
+        ``need`` keys cannot be freed without touching busy units or the
+        store's own stored keys.
+        """
+        pending = self._pending
+        for key in new:
+            pending.add(key)
+            self._busy_up(key[:-_SUFFIX])
+        if len(new) < len(offered):
+            self._hint_continuations(offered)
+        # The store's stored keys stay: their units are busy, their dead keys set aside.
+        stored = self._stored
+        kept = [k for k in offered if k in stored]
+        set_aside = [k for k in kept if k in self._dead]
+        for key in set_aside:
+            del self._dead[key]
+        for key in kept:
+            self._busy_up(key[:-_SUFFIX])
+        units_new = [u for u in dict.fromkeys(k[:-_SUFFIX] for k in new) if u not in self._nheld]
+        victims: list[OffloadKey] | None
+        if need > self.num_evictable():
+            victims = None
+        else:
+            victims = self._evict(need, units_new) if need > 0 else []
+            if need <= 0 and new:
+                self.inner.evict(0, units_new)
+        for key in kept:
+            self._busy_down(key[:-_SUFFIX])
+        for key in set_aside:
+            self._dead[key] = None
+        if victims is None:
+            self.abandon(new)
+        return victims
+
+    def _evict(self, need: int, units_new: list[bytes]) -> list[OffloadKey]:
+        victims: list[OffloadKey] = []
+        dead = self._dead
+        while need > 0 and dead:
+            key = next(iter(dead))
+            del dead[key]
+            self._drop_dead(key)
+            victims.append(key)
+            need -= 1
+        incoming: Sequence[bytes] = units_new
+        told = False
+        while need > 0:
+            # At most _units_max keys per unit: this many units never frees more than needed
+            # by a whole unit's worth, and never asks for more units than are evictable.
+            k = -(-need // self._units_max)
+            for unit in self.inner.evict(k, incoming):
+                dropped = self._drop_unit(unit)
+                victims.extend(dropped)
+                need -= len(dropped)
+            incoming, told = (), True
+        if not told:
+            self.inner.evict(0, units_new)
+        return victims
+
+    def abandon(self, keys: Iterable[OffloadKey]) -> None:
+        """A store of ``keys`` failed (or was refused): they are no longer pending."""
+        pending = self._pending
+        for key in keys:
+            if key in pending:
+                pending.discard(key)
+                unit = key[:-_SUFFIX]
+                self._busy_down(unit)
+                if unit not in self._members and unit not in self._busy:
+                    self._forget_unit(unit)
+
+    def _hint_continuations(self, offered: Sequence[OffloadKey]) -> None:
+        """New keys that continue stored ones: the chain diverges or goes on there."""
+        stored, pending = self._stored, self._pending
+        prev: OffloadKey | None = None
+        for key in offered:
+            if prev is not None and key in pending:
+                self.hint_parent(key, prev)
+            prev = key if key in stored else None
+
+    # -- hints --------------------------------------------------------------------
+
+    def hint_parent(self, child: OffloadKey, parent: OffloadKey) -> None:
+        """``parent`` is stored and ``child`` follows it: a hit boundary is right after it."""
+        unit, child_unit = parent[:-_SUFFIX], child[:-_SUFFIX]
+        if unit == child_unit:
+            return
+        known = unit in self._members
+        if known and (child_unit in self._members or child_unit in self._busy):
+            link = self._link_suffixes
+            if link is None or parent[-_SUFFIX:] in link:
+                self._prev[child_unit] = unit
+        if known and self._reach:
+            self._boundary.add(unit)
+            self._mark_back(unit, self._max_reach)
+        if self._inner_hints and unit in self._nheld:
+            self.inner.hint_parent(child_unit, unit)  # type: ignore[arg-type]
+
+    def _units(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        return [OffloadKey(u) for u in dict.fromkeys(k[:-_SUFFIX] for k in keys)]
+
+    def hint_queued(self, request_id: str, keys: Sequence[OffloadKey]) -> None:
+        self.inner.hint_queued(request_id, self._units(keys))
+
+    def hint_dequeued(self, request_id: str) -> None:
+        self.inner.hint_dequeued(request_id)
+
+    def hint_continues(self, keys: Sequence[OffloadKey]) -> None:
+        self.inner.hint_continues(self._units(keys))
+
+    def admit(self, keys: Sequence[OffloadKey], in_flight: int = 0) -> list[bool] | None:
+        """The inner policy's admission of the chunks not held yet; a chunk is admitted whole."""
+        if not self._inner_admits:
+            return None
+        known = self._members
+        fresh = [u for u in self._units(keys) if u not in known and u not in self._busy]
+        if not fresh:
+            return None
+        flags = self.inner.admit(fresh, in_flight)
+        if flags is None:
+            return None
+        declined = {u for u, f in zip(fresh, flags) if not f}
+        if not declined:
+            return None
+        return [k[:-_SUFFIX] not in declined for k in keys]
