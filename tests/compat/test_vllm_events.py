@@ -398,3 +398,150 @@ def test_kvoffload_events_command_prints_vllm_publisher_batches() -> None:
     assert {line["format"] for line in lines} == {"vllm"}
     assert [line["events"][0]["token_ids"] for line in lines] == [[0], [1], [2]]
     assert "undecodable" not in err.getvalue()
+
+
+# -- offloaded tiers: group fields and self-describing payloads (issues 32, 33) ---------
+
+
+def test_group_fields_of_offloaded_tiers_are_vllms() -> None:
+    ours = [
+        BlockStored(
+            H[:2],
+            PARENT,
+            list(range(32)),
+            16,
+            None,
+            "CPU",
+            group_idx=1,
+            kv_cache_spec_kind="sliding_window",
+            kv_cache_spec_sliding_window=128,
+        ),
+        BlockStored(
+            H[2:3], None, [], 0, None, "REMOTE", group_idx=2, ownership="redis:ns:digest"
+        ),
+        BlockRemoved(H[:1], "DISK", group_idx=1),
+    ]
+    theirs = [
+        vk.BlockStored(
+            block_hashes=[maybe_convert_block_hash(h) for h in H[:2]],
+            parent_block_hash=maybe_convert_block_hash(PARENT),
+            token_ids=list(range(32)),
+            block_size=16,
+            lora_id=None,
+            medium="CPU",
+            lora_name=None,
+            group_idx=1,
+            kv_cache_spec_kind="sliding_window",
+            kv_cache_spec_sliding_window=128,
+        ),
+        vk.BlockStored(
+            block_hashes=[maybe_convert_block_hash(H[2])],
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=0,
+            lora_id=None,
+            medium="STORAGE",
+            lora_name=None,
+            group_idx=2,
+            locality="REMOTE",
+            ownership="redis:ns:digest",
+        ),
+        vk.BlockRemoved(
+            block_hashes=[maybe_convert_block_hash(H[0])],
+            medium="STORAGE",
+            group_idx=1,
+            locality="LOCAL",
+        ),
+    ]
+    payload = encode_batch(KVEventBatch(ts=5.0, events=ours, data_parallel_rank=0))
+    encoder = msgspec.msgpack.Encoder()
+    assert payload == encoder.encode(vk.KVEventBatch(ts=5.0, events=theirs, data_parallel_rank=0))
+    assert VLLM_DECODER.decode(payload).events == theirs
+
+
+def _per_hash(events: list) -> list[tuple]:
+    """Each announced hash with its own payload, whatever the grouping into events."""
+    out = []
+    for e in events:
+        if isinstance(e, vk.BlockRemoved):
+            out += [("removed", h, e.medium, e.locality, e.group_idx) for h in e.block_hashes]
+            continue
+        parent = e.parent_block_hash
+        for i, h in enumerate(e.block_hashes):
+            tokens = tuple(e.token_ids[i * e.block_size : (i + 1) * e.block_size])
+            out.append(
+                (
+                    "stored",
+                    h,
+                    parent,
+                    tokens,
+                    e.block_size,
+                    e.medium,
+                    e.locality,
+                    e.group_idx,
+                    e.kv_cache_spec_kind,
+                    e.kv_cache_spec_sliding_window,
+                    e.lora_name,
+                )
+            )
+            parent = h
+    return out
+
+
+@pytest.mark.parametrize("factor", [1, 2])
+def test_self_describing_offloaded_events_match_vllms_tracker(factor: int) -> None:
+    # vLLM 0.33's OffloadingEventsTracker and kvoffload's describer, same chunks, same
+    # tier events: the same hashes, parents, tokens, block size, media and group fields.
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+        OffloadingEventGroupSpec,
+        OffloadingEventsTracker,
+    )
+    from vllm.v1.kv_offload import base as vbase
+
+    from kvoffload.connector.events import OffloadEventDescriber
+    from kvoffload.offload.base import OffloadingEvent, make_offload_key
+
+    bs, n_blocks = 4, 6
+    hashes = [hashlib.sha256(f"chain {i}".encode()).digest() for i in range(n_blocks)]
+    tokens = list(range(100, 100 + bs * n_blocks))
+    spec = OffloadingEventGroupSpec("full_attention", None)
+    tracker = OffloadingEventsTracker(vbase.OffloadingKVEventsConfig(True, True), {0: spec})
+    request = SimpleNamespace(block_hashes=hashes, all_token_ids=tokens, lora_request=None)
+    group = SimpleNamespace(
+        hashes_per_chunk=factor,
+        tokens_per_chunk=factor * bs,
+        tokens_per_block=bs,
+        group_idx=0,
+        kv_event_group_spec=spec,
+        sliding_window_size_in_chunks=None,
+    )
+    keys = [make_offload_key(hashes[(j + 1) * factor - 1]) for j in range(n_blocks // factor)]
+    for j, key in enumerate(keys):
+        tracker.record_store(request, group, j, key)  # type: ignore[arg-type]
+    theirs = list(
+        tracker.take_events(
+            [
+                vbase.OffloadingEvent(keys, vbase.Medium.CPU, removed=False),
+                vbase.OffloadingEvent(
+                    keys[:1], vbase.Medium.STORAGE, removed=False, locality=vbase.Locality.LOCAL
+                ),
+                vbase.OffloadingEvent(keys[1:2], vbase.Medium.CPU, removed=True),
+            ]
+        )
+    )
+    describer = OffloadEventDescriber(factor, self_describing=True)
+    describer.observe(BlockStored(hashes, None, tokens, bs, None, "GPU", None, [None] * n_blocks))
+    ours = describer.translate(
+        [
+            OffloadingEvent(keys, "CPU", removed=False),
+            OffloadingEvent(keys[:1], "DISK", removed=False),
+            OffloadingEvent(keys[1:2], "CPU", removed=True),
+        ]
+    )
+    decoded = VLLM_DECODER.decode(encode_batch(KVEventBatch(ts=1.0, events=ours))).events
+    assert _per_hash(decoded) == _per_hash(theirs)
+    # Extra keys: vLLM's tracker leaves them out ("deferred"); ours carry the GPU
+    # tier's per-block entries.
+    assert all(e.extra_keys is None for e in theirs if isinstance(e, vk.BlockStored))
