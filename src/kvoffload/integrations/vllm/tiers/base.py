@@ -60,6 +60,7 @@ from vllm.v1.kv_offload.tiering.base import (
     TransferJob,
 )
 
+from kvoffload.integrations.vllm import log_bridge
 from kvoffload.integrations.vllm.tiers.identity import tier_identity, tier_label_of
 from kvoffload.integrations.vllm.tiers.io_threads import IOJob, IOThreads
 from kvoffload.integrations.vllm.tiers.metrics import STORES_DROPPED, metric_definitions
@@ -72,8 +73,11 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
-# Under "vllm." so that vLLM's logging configuration shows these lines.
+# Under "vllm." so that vLLM's logging configuration shows these lines; the core tiers'
+# own lines (kvoffload.tiers.*: a server unreachable or back, a full disk, dropped
+# blocks) reach vLLM's handlers through the bridge.
 logger = logging.getLogger("vllm.kvoffload.tiers")
+log_bridge.install()
 
 
 # -- the tier ---------------------------------------------------------------------------
