@@ -545,3 +545,81 @@ def test_self_describing_offloaded_events_match_vllms_tracker(factor: int) -> No
     # Extra keys: vLLM's tracker leaves them out ("deferred"); ours carry the GPU
     # tier's per-block entries.
     assert all(e.extra_keys is None for e in theirs if isinstance(e, vk.BlockStored))
+
+
+def _subscriber(endpoint: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(endpoint)
+    return sock
+
+
+def _drain_vllm(sock: zmq.Socket) -> list:
+    events: list = []
+    wait_ms = 2000
+    while sock.poll(wait_ms):
+        _topic, _seq, payload = sock.recv_multipart()
+        events.extend(VLLM_DECODER.decode(payload).events)
+        wait_ms = 200
+    return events
+
+
+@pytest.mark.parametrize("way_in", ["KVOffloadConnector", "OffloadingConnector+KVOffloadSpec"])
+def test_vllm_connectors_publish_self_describing_cpu_and_disk_stores(
+    tmp_path, way_in: str
+) -> None:
+    # vLLM's own scheduler and publisher, kvoffload's tiers, vLLM's
+    # ``self_describing_kv_events`` key: every CPU and STORAGE store carries the
+    # tokens, parent and block size of the GPU tier's store of the same hashes.
+    import os
+
+    from tests.conftest_redis import free_port
+    from tests.integrations.test_vllm_engine import (
+        BLOCK_BYTES,
+        STOCK,
+        STOCK_SPEC,
+        evict_and_return,
+    )
+    from tests.integrations.vllm_rig import VLLMRig
+
+    port = free_port()
+    extra: dict = {
+        "cpu_bytes": 6 * BLOCK_BYTES,
+        "disk_dir": str(tmp_path / "disk"),
+        "disk_bytes": "1MiB",
+        "self_describing_kv_events": True,
+    }
+    os.makedirs(extra["disk_dir"])
+    kwargs: dict = {}
+    if way_in != "KVOffloadConnector":
+        extra |= STOCK_SPEC
+        kwargs["connector"] = STOCK
+    rig = VLLMRig.build(
+        tmp_path, extra_config=extra, kv_events_endpoint=f"tcp://*:{port}", **kwargs
+    )
+    sock = _subscriber(f"tcp://127.0.0.1:{port}")
+    try:
+        evict_and_return(rig)
+        events = _drain_vllm(sock)
+    finally:
+        sock.close(linger=0)
+        rig.shutdown()
+    gpu: dict[int, tuple] = {}
+    described: dict[tuple, int] = {}
+    for e in events:
+        if not isinstance(e, vk.BlockStored):
+            continue
+        parent = e.parent_block_hash
+        for i, h in enumerate(e.block_hashes):
+            payload = (parent, tuple(e.token_ids[i * 16 : (i + 1) * 16]))
+            parent = h
+            if e.medium == "GPU":
+                gpu[h] = payload
+                continue
+            assert e.block_size == 16, f"{e.medium} store is not self-describing: {e}"
+            assert gpu[h] == payload
+            assert e.kv_cache_spec_kind == "full_attention" and e.group_idx == 0
+            where = (e.medium, e.locality)
+            described[where] = described.get(where, 0) + 1
+    assert described.get(("CPU", None)), described
+    assert described.get(("STORAGE", "LOCAL")), described
