@@ -154,3 +154,28 @@ def test_not_self_describing_sends_placeholders() -> None:
     cpu = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
     assert cpu and all(e.block_size == 0 and not e.token_ids for e in cpu)
     router.apply(events)
+
+
+@pytest.mark.parametrize(
+    ("argv", "mode", "described"),
+    [
+        ([], "exact", True),
+        (["--events-mode", "per-copy"], "per-copy", True),
+        (["--no-events-self-describing"], "exact", False),
+    ],
+)
+def test_run_flags_reach_the_engine_config(argv: list[str], mode: str, described: bool) -> None:
+    import argparse
+
+    from kvoffload.cli.engine_args import add_engine_arguments, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    config = engine_config_from_args(parser.parse_args(argv))
+    assert config.events_mode == mode
+    assert config.events_self_describing is described
+
+
+def test_unknown_events_mode_is_one_line() -> None:
+    with pytest.raises(ValueError, match="EngineConfig.events_mode: unknown KV events mode"):
+        EngineConfig(events_mode="copies")
