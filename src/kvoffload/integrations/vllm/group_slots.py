@@ -119,13 +119,17 @@ def group_layout_fingerprint(config: Any) -> str:
     """The KV cache groups as tiers must tell them apart: per group, its kind as far as
     vLLM's offloading config says ("full", or "window<chunks>" for sliding-window,
     chunked-local and Mamba groups; "any" where vLLM 0.32 does not say), tokens per
-    block, layer count, bytes per block on one worker, and a digest of its layer names."""
+    block, layer count, bytes per block on all workers, and a digest of its layer names."""
     per_group = group_block_bytes(config)
+    world = max(1, int(config.parallel.world_size))
     parts = []
     for pos, g in enumerate(config.groups):
         chunks = getattr(g, "sliding_window_size_in_chunks", "?")
         kind = "any" if chunks == "?" else ("full" if chunks is None else f"window{chunks}")
         nbytes = per_group[pos] if per_group is not None else int(config.worker_kv_bytes_per_block)
+        # All ranks' bytes: a layout vLLM certifies as parallelism-agnostic reads the
+        # same tier under any TP size, and its per-rank share differs between them.
+        nbytes *= world
         names = hashlib.sha256("\n".join(g.layer_names).encode()).hexdigest()[:8]
         parts.append(f"{kind}/{g.tokens_per_block}x{len(g.layer_names)}/{nbytes}B/{names}")
     return ",".join(parts)
