@@ -95,7 +95,9 @@ def test_a_hit_under_the_budget_is_computed_in_the_step_it_is_found(
 ) -> None:
     rig = _rig(tmp_path, path, budget=None)  # the connector's default budget
     _evicted(rig, PROMPT)
-    rig.add([*PROMPT, 5, 6], req_id="again")
+    # A new full block after the hit: the step that loads also offers a store
+    # (vLLM 0.32 asserts no load is pending then; kvoffload's sync load is).
+    rig.add([*PROMPT, *range(200, 218)], req_id="again")
     assert _steps_until_scheduled(rig, "again") == 1
     assert len(rig.sync_loads) == 1  # one load, finished before the step's forward pass
     _served_from_cpu_tier(rig, "again")

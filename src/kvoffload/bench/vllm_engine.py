@@ -199,13 +199,26 @@ def default_model_dir() -> Path:
     return cache / "kvoffload" / "tiny-llama"
 
 
-def ensure_model(python: Path, path: Path, seed: int = 0) -> Path:
+def ensure_model(
+    python: Path, path: Path, seed: int = 0, layers: int = 2, hidden: int = 128
+) -> Path:
     """``path`` holding the tiny model (made by the engine venv's transformers if missing)."""
     from kvoffload.bench.vllm_model import model_is_complete
 
     if not model_is_complete(path):
         proc = subprocess.run(
-            [str(python), "-m", "kvoffload.bench.vllm_model", str(path), "--seed", str(seed)],
+            [
+                str(python),
+                "-m",
+                "kvoffload.bench.vllm_model",
+                str(path),
+                "--seed",
+                str(seed),
+                "--layers",
+                str(layers),
+                "--hidden",
+                str(hidden),
+            ],
             capture_output=True,
             text=True,
             check=False,
@@ -275,6 +288,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=argtypes.positive_int(1 << 20, minimum=64),
         default=1024,
         help="vLLM's max_model_len (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--hits",
+        action="store_true",
+        help="issue 31's table instead: TTFT of a miss, a device hit, a kvoffload CPU-tier "
+        "hit (sync and async loads) and the suffix alone, steps a hit waits, load GB/s",
+    )
+    parser.add_argument(
+        "--profile-hit",
+        action="store_true",
+        help="with the --hits table, where a hit's time goes per connector hook",
+    )
+    parser.add_argument(
+        "--hit-models",
+        nargs="+",
+        choices=("4x512", "8x1024"),
+        default=["4x512"],
+        help="--hits models, layers x hidden (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--hit-visits",
+        type=argtypes.positive_int(16, minimum=2),
+        default=3,
+        help="--hits visits per prefix, the first one cold (default: %(default)s)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -369,6 +406,10 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    if getattr(args, "hits", False) or getattr(args, "profile_hit", False):
+        from kvoffload.bench import vllm_hits
+
+        return vllm_hits.run(args)
     python = find_engine_python(args.engine_python)
     names = ("round_robin", "batch") if args.workload == "both" else (args.workload,)
     total = 2 * (1 + sum(len(p["prompts"]) for p in workload_phases(names)))

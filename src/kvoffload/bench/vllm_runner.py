@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import threading
 import time
@@ -135,7 +136,7 @@ def _engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
         "gpu_memory_utilization": spec.get("gpu_memory_utilization", 0.05),
         "enforce_eager": True,
         "dtype": spec.get("dtype", "float32"),
-        "enable_prefix_caching": True,
+        "enable_prefix_caching": spec.get("enable_prefix_caching", True),
         "disable_log_stats": False,
         "seed": 0,
     }
@@ -181,7 +182,19 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     collector = None
     events = spec.get("kv_events")
-    llm = LLM(**_engine_kwargs(spec))
+    # The engine core process inherits these (e.g. the hit profile's output path);
+    # they are put back once the engine is up, so the next engine does not see them.
+    env = spec.get("env") or {}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        llm = LLM(**_engine_kwargs(spec))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     if events:
         collector = _EventCollector(
             events["endpoint"].replace("*", "127.0.0.1"),
@@ -225,7 +238,22 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
         del engine, llm
         gc.collect()
     result["phases"] = phases
+    profile = (spec.get("env") or {}).get("KVOFFLOAD_HIT_PROFILE")
+    if profile:
+        result["hit_profile"] = read_profile(profile)
     return result
+
+
+def read_profile(base: str) -> list[dict[str, Any]]:
+    """The records every engine process appended under ``base`` (see ``vllm_hit_profile``)."""
+    records: list[dict[str, Any]] = []
+    directory = Path(base).parent
+    for path in sorted(directory.glob(Path(base).name + ".*.jsonl")):
+        role = path.name[len(Path(base).name) + 1 :].split(".")[0]
+        for line in path.read_text().splitlines():
+            if line.strip():
+                records.append({"role": role, **json.loads(line)})
+    return records
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:

@@ -267,10 +267,15 @@ class KVOffloadConnector(OffloadingConnector):
             hints.queued(request.request_id, keys)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
-        meta = super().build_connector_meta(scheduler_output)
-        if self.sync_loads is not None:
-            meta = self.sync_loads.metadata(meta)
-            self.sync_loads.end_step()
+        sync = self.sync_loads
+        if sync is None:
+            meta = super().build_connector_meta(scheduler_output)
+        else:
+            assert self.connector_scheduler is not None
+            with sync.posing_as_stores(self.connector_scheduler._jobs):
+                meta = super().build_connector_meta(scheduler_output)
+            meta = sync.metadata(meta)
+            sync.end_step()
         target = self._request_hints()
         if target is not None:
             # After the step's region: the manager's lock is free again. The

@@ -29,7 +29,8 @@ asynchronous one (vLLM rolls the running request back and recomputes).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +92,7 @@ class SyncLoads:
         self._step_bytes = 0
         self._step_reqs: set[str] = set()
         self._step_jobs: set[int] = set()
+        self._in_flight: set[int] = set()  # synchronous jobs not yet reported finished
 
     def reserve(self, req_id: str, num_computed: int, num_hit: int, num_tokens: int) -> bool:
         """Reserve this step's budget for ``num_hit`` tokens of ``req_id``; False: stay async."""
@@ -125,6 +127,29 @@ class SyncLoads:
 
     def add_job(self, job_id: int) -> None:
         self._step_jobs.add(job_id)
+        self._in_flight.add(job_id)
+
+    @contextlib.contextmanager
+    def posing_as_stores(self, jobs: dict[int, Any]) -> Iterator[None]:
+        """Within the block, the synchronous loads still in ``jobs`` (vLLM 0.32's job
+        table) look like stores.
+
+        0.32 asserts that a request whose metadata is being built has no load
+        pending (it builds a store job, or flushes a preempted request's jobs):
+        true of an asynchronous load, whose request is not running, but a
+        synchronous load's completion is reported only after the step's forward
+        pass, while its request already runs. 0.33 relaxes both assertions for
+        its own synchronous loads; nothing else in that call reads the flag.
+        """
+        self._in_flight &= jobs.keys()
+        posed = [jobs[j] for j in self._in_flight if not jobs[j].is_store]
+        for status in posed:
+            status.is_store = True
+        try:
+            yield
+        finally:
+            for status in posed:
+                status.is_store = False
 
     def metadata(self, meta: OffloadingConnectorMetadata) -> OffloadingConnectorMetadata:
         """The step's metadata naming its synchronous jobs (unchanged when there are none)."""

@@ -1,0 +1,349 @@
+"""``kvoffload bench vllm --hits``: how close a CPU-tier hit comes to a device hit (issue 31).
+
+One engine subprocess serves the same prompts under five set-ups, each its
+own engine, one after another (``vllm_runner``): 8 prefixes of 1,024-1,984
+tokens, each followed by a 24-token suffix, visited round-robin, one request
+at a time, greedy. Rows (TTFT of the revisits unless said):
+
+- ``miss``: prefix caching off (the second visit's prompts);
+- ``device hit``: vLLM's own KV cache holds every prefix;
+- ``kvoffload hit``: vLLM's cache holds one request, so every revisit's
+  prefix comes back from kvoffload's CPU tier (``KVOffloadConnector``, its
+  default ``sync_load_budget_bytes``: the load runs in the step the hit is
+  found);
+- ``kvoffload hit, async``: the same with ``sync_load_budget_bytes=0``
+  (loads between steps, the request waits for one: the path before issue 31);
+- ``suffix alone``: the 24 suffix tokens as a prompt of their own (what a
+  free cache would leave).
+
+Per row: TTFT p50 / mean, ratio to the device hit, share of the miss ->
+device-hit gap closed; for the kvoffload rows the engine steps a hit waits
+between its lookup and its forward pass, its load's GB/s against a bulk copy
+of the same bytes on the same thread (``vllm_hit_profile``), and with
+``--profile-hit`` where the time of a hit goes, per hook. Outputs of every
+row are compared token for token with the device hit's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvoffload.bench.vllm_model import FIRST_WORD_ID, VOCAB_SIZE
+
+#: (row label, engine name) of the two kvoffload rows.
+OFFLOAD_ROWS = (("kvoffload hit", "kvoffload"), ("kvoffload hit, async loads", "kvoffload_async"))
+PROFILED = {
+    "kv_connector": "ProfiledKVOffloadConnector",
+    "kv_connector_module_path": "kvoffload.bench.vllm_hit_profile",
+}
+#: (layers, hidden) of the issue's two models.
+MODELS = {"4x512": (4, 512), "8x1024": (8, 1024)}
+SUFFIX = 24
+BLOCK = 32
+
+
+def hit_prompts(
+    seed: int = 31, num_prefixes: int = 8, visits: int = 3, lo: int = 1024, hi: int = 1984
+) -> list[list[list[int]]]:
+    """``visits`` rounds of ``num_prefixes`` prompts: the same prefixes, a new suffix each round."""
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(FIRST_WORD_ID, VOCAB_SIZE) for _ in range(n)]
+
+    prefixes = [tokens(rng.randint(lo, hi)) for _ in range(num_prefixes)]
+    return [[p + tokens(SUFFIX) for p in prefixes] for _ in range(visits)]
+
+
+def engine_specs(
+    model: str, rounds: list[list[list[int]]], kv_bytes_per_token: int, profile_dir: Path
+) -> list[dict[str, Any]]:
+    """The five engines of the table, in the order they run."""
+    longest = max(len(p) for r in rounds for p in r)
+    one_request = -(-longest // BLOCK) + 8
+    every_prefix = len(rounds[0]) * one_request + 16
+    cpu_bytes = int(1.25 * sum(len(p) for p in rounds[0]) * kv_bytes_per_token)
+    base = {
+        "model": model,
+        "block_size": BLOCK,
+        "max_model_len": BLOCK * (-(-longest // BLOCK) + 4),
+        "max_num_batched_tokens": 2048,
+        "max_num_seqs": 4,
+    }
+
+    def visits(n: int) -> list[dict[str, Any]]:
+        return [{"name": f"visit{v}", "prompts": rounds[v], "max_tokens": 2} for v in range(n)]
+
+    def offload(name: str, budget: int | None) -> dict[str, Any]:
+        extra: dict[str, Any] = {"cpu_bytes": cpu_bytes}
+        if budget is not None:
+            extra["sync_load_budget_bytes"] = budget
+        return dict(
+            base,
+            name=name,
+            num_gpu_blocks=one_request,
+            connector=PROFILED,
+            extra_config=extra,
+            env={"KVOFFLOAD_HIT_PROFILE": str(profile_dir / name)},
+            phases=visits(len(rounds)),
+        )
+
+    return [
+        dict(
+            base,
+            name="miss",
+            num_gpu_blocks=one_request,
+            enable_prefix_caching=False,
+            phases=[
+                {"name": "miss", "prompts": rounds[1], "max_tokens": 2},
+                {"name": "suffix", "prompts": [p[-SUFFIX:] for p in rounds[1]], "max_tokens": 2},
+            ],
+        ),
+        dict(base, name="device", num_gpu_blocks=every_prefix, phases=visits(len(rounds))),
+        offload("kvoffload", None),
+        offload("kvoffload_async", 0),
+    ]
+
+
+def _ttfts(engine: dict[str, Any], phases: Sequence[str]) -> list[float]:
+    return [
+        1e3 * r["ttft_s"] for p in engine["phases"] if p["name"] in phases for r in p["requests"]
+    ]
+
+
+def _tokens(engine: dict[str, Any], phase: str) -> list[list[int]]:
+    return [r["tokens"] for p in engine["phases"] if p["name"] == phase for r in p["requests"]]
+
+
+def profile_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-hit means of a kvoffload engine's profile (see ``vllm_hit_profile``)."""
+    hits = [r for r in records if r["kind"] == "hit"]
+    loads = [r for r in records if r["kind"] == "load_step"]
+    done = [r for r in records if r["kind"] == "load_done"]
+    bulk = [r for r in records if r["kind"] == "bulk"]
+    sched = [r for r in records if r["kind"] == "sched_step"]
+    updates = [r for r in records if r["kind"] == "sched_update"]
+    wsteps = [r for r in records if r["kind"] == "worker_step"]
+    n = max(len(hits), 1)
+
+    def mean_ms(rows: list[dict[str, Any]], key: str, per: float = n) -> float:
+        return 1e3 * sum(r[key] for r in rows) / per if rows else 0.0
+
+    load_bytes = sum(r["bytes"] for r in done)
+    load_s = sum(r["seconds"] for r in done)
+    bulk_bytes = sum(r["bytes"] for r in bulk)
+    bulk_s = sum(r["seconds"] for r in bulk)
+    load_gbps = load_bytes / load_s / 1e9 if load_s else 0.0
+    bulk_gbps = bulk_bytes / bulk_s / 1e9 if bulk_s else 0.0
+    return {
+        "hits": len(hits),
+        "sync_hits": sum(1 for h in hits if h["sync"]),
+        "steps_waited_mean": statistics.fmean(h["steps_waited"] for h in hits) if hits else 0.0,
+        "steps_waited_max": max((h["steps_waited"] for h in hits), default=0),
+        "load_mb_mean": load_bytes / max(len(done), 1) / 1e6,
+        "load_gbps": load_gbps,
+        "bulk_gbps": bulk_gbps,
+        "load_vs_bulk": load_gbps / bulk_gbps if bulk_gbps else 0.0,
+        "breakdown_ms": {
+            "scheduler lookup": mean_ms(hits, "lookup_s"),
+            "scheduler load preparation": mean_ms(hits, "alloc_s"),
+            "scheduler metadata (steps with a load)": mean_ms(sched, "meta_s"),
+            "scheduler load-finished handling": mean_ms(updates, "update_s"),
+            "worker start_load_kv (submit + sync wait)": mean_ms(loads, "start_s"),
+            "  of which the copy": mean_ms(done, "seconds"),
+            "worker completion polling (get_finished)": mean_ms(wsteps, "finished_s"),
+            "worker metadata": mean_ms(wsteps, "meta_s"),
+        },
+    }
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """The table's rows from the runner's result."""
+    engines = {e["name"]: e for e in result["engines"]}
+    revisits = [p["name"] for p in engines["device"]["phases"]][1:]
+    rows: dict[str, dict[str, Any]] = {}
+    for label, name, phases in (
+        ("miss", "miss", ["miss"]),
+        ("device hit", "device", revisits),
+        ("kvoffload hit", "kvoffload", revisits),
+        ("kvoffload hit, async loads", "kvoffload_async", revisits),
+        ("suffix alone", "miss", ["suffix"]),
+    ):
+        ttft = _ttfts(engines[name], phases)
+        rows[label] = {
+            "ttft_p50_ms": statistics.median(ttft),
+            "ttft_mean_ms": statistics.fmean(ttft),
+        }
+    device = rows["device hit"]["ttft_mean_ms"]
+    miss = rows["miss"]["ttft_mean_ms"]
+    for row in rows.values():
+        row["x_device_hit"] = row["ttft_mean_ms"] / device if device else 0.0
+        row["gap_closed"] = (miss - row["ttft_mean_ms"]) / (miss - device) if miss > device else 0.0
+    for label, name in (
+        ("kvoffload hit", "kvoffload"),
+        ("kvoffload hit, async loads", "kvoffload_async"),
+    ):
+        rows[label]["profile"] = profile_summary(engines[name].get("hit_profile", []))
+    # Greedy outputs: every row's second-visit tokens against the device hit's.
+    want = _tokens(engines["device"], "visit1")
+    same = {
+        label: sum(a == b for a, b in zip(want, _tokens(engines[name], phase)))
+        for label, name, phase in (
+            ("miss", "miss", "miss"),
+            ("kvoffload hit", "kvoffload", "visit1"),
+            ("kvoffload hit, async loads", "kvoffload_async", "visit1"),
+        )
+    }
+    return {"rows": rows, "identical_outputs": same, "compared": len(want)}
+
+
+def bench_model(
+    python: Path,
+    model_dir: Path,
+    layers: int,
+    hidden: int,
+    visits: int,
+    on_progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    from kvoffload.bench.vllm_engine import ensure_model, run_engines
+
+    model = ensure_model(python, model_dir, layers=layers, hidden=hidden)
+    rounds = hit_prompts(visits=visits)
+    kv_bytes_per_token = layers * 2 * max(1, hidden // 64) * 32 * 4  # K and V, float32
+    with tempfile.TemporaryDirectory(prefix="kvoffload-hits-") as tmp:
+        engines = engine_specs(str(model), rounds, kv_bytes_per_token, Path(tmp))
+        result = run_engines(python, engines, timeout_s=1800, on_progress=on_progress)
+    summary = summarize(result)
+    summary.update(vllm_version=result["vllm_version"], layers=layers, hidden=hidden)
+    return summary
+
+
+def total_work(visits: int) -> int:
+    rounds = 8 * visits
+    return 4 + 16 + rounds * 3  # engine starts, miss + suffix, three engines' visits
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvoffload.bench.vllm_engine import default_model_dir, find_engine_python
+
+    python = find_engine_python(args.engine_python)
+    if python is None:
+        raise FileNotFoundError("no vLLM engine environment (see `kvoffload bench vllm --help`)")
+    models = [MODELS[m] for m in args.hit_models]
+    reports = []
+    err = Console(stderr=True)
+    with Progress(
+        TextColumn("vLLM hit bench"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    ) as bar:
+        task = bar.add_task("work", total=len(models) * total_work(args.hit_visits))
+        for layers, hidden in models:
+            model_dir = default_model_dir().with_name(f"tiny-llama-{layers}x{hidden}")
+            reports.append(
+                bench_model(
+                    python,
+                    model_dir,
+                    layers,
+                    hidden,
+                    args.hit_visits,
+                    on_progress=lambda n: bar.advance(task, n),
+                )
+            )
+    if args.json:
+        print(json.dumps({"models": reports}))
+    else:
+        for report in reports:
+            print_report(report, args.profile_hit)
+    ok = all(
+        v == r["compared"]
+        for r in reports
+        for k, v in r["identical_outputs"].items()
+        if k != "miss"
+    )
+    return 0 if ok else 1
+
+
+def print_report(report: dict[str, Any], breakdown: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 120))
+    t = Table(
+        title=f"TTFT of a revisit, vLLM {report['vllm_version']} CPU engine, "
+        f"{report['layers']} layers x hidden {report['hidden']} (serial requests, greedy)"
+    )
+    for col in (
+        "row",
+        "p50 ms",
+        "mean ms",
+        "x device hit",
+        "gap closed",
+        "steps waited",
+        "load MB",
+        "load GB/s",
+        "bulk GB/s",
+        "load/bulk",
+    ):
+        t.add_column(col, justify="right")
+    for label, row in report["rows"].items():
+        prof = row.get("profile")
+        extra = ["", "", "", "", ""]
+        if prof:
+            extra = [
+                f"{prof['steps_waited_mean']:.2f} (max {prof['steps_waited_max']})",
+                f"{prof['load_mb_mean']:.1f}",
+                f"{prof['load_gbps']:.1f}",
+                f"{prof['bulk_gbps']:.1f}" if prof["bulk_gbps"] else "-",
+                f"{prof['load_vs_bulk']:.2f}" if prof["bulk_gbps"] else "-",
+            ]
+        t.add_row(
+            label,
+            f"{row['ttft_p50_ms']:.1f}",
+            f"{row['ttft_mean_ms']:.1f}",
+            f"{row['x_device_hit']:.2f}x",
+            f"{100 * row['gap_closed']:.1f}%",
+            *extra,
+        )
+    console.print(t)
+    same = ", ".join(
+        f"{k} {v}/{report['compared']}" for k, v in report["identical_outputs"].items()
+    )
+    console.print(f"outputs identical to the device hit's: {same}")
+    if not breakdown:
+        return
+    device = report["rows"]["device hit"]["ttft_mean_ms"]
+    b = Table(title="per hit: where the time between a device hit and a kvoffload hit goes (ms)")
+    b.add_column("hook")
+    for label in ("kvoffload hit", "kvoffload hit, async loads"):
+        b.add_column(label, justify="right")
+        b.add_column("share of gap", justify="right")
+    names = list(report["rows"]["kvoffload hit"]["profile"]["breakdown_ms"])
+    for name in names:
+        cells = []
+        for label in ("kvoffload hit", "kvoffload hit, async loads"):
+            row = report["rows"][label]
+            gap = row["ttft_mean_ms"] - device
+            ms = row["profile"]["breakdown_ms"][name]
+            cells += [f"{ms:.2f}", f"{100 * ms / gap:.0f}%" if gap > 0 else "-"]
+        b.add_row(name, *cells)
+    gaps = []
+    for label in ("kvoffload hit", "kvoffload hit, async loads"):
+        gap = report["rows"][label]["ttft_mean_ms"] - device
+        gaps += [f"{gap:.2f}", "100%"]
+    b.add_row("TTFT over the device hit", *gaps)
+    console.print(b)
