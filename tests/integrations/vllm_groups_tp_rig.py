@@ -1,0 +1,329 @@
+"""vLLM's real scheduler here, hybrid-model worker-side connectors in N spawned processes (TP=N).
+
+Import only from test modules that called ``need_vllm()`` first.
+
+``vllm_tp_rig``'s layout (vLLM's multiprocess executor played by hand) for
+models with several KV cache groups: each rank builds vLLM's groups and KV
+tensors for its share of the KV heads (``vllm_groups_rig``), "computes" every
+full block of every group by writing a pattern of (block hash, group, layer,
+rank) into the group's layers, and checks every block a finished load wrote.
+Nothing passes between the processes but what vLLM itself passes: the
+pickled connector metadata and the workers' connector outputs (aggregated
+with vLLM's ``KVOutputAggregator``), and, with lower tiers, vLLM's
+``/dev/shm`` offload region.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import time
+import uuid
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import ModelRunnerOutput
+
+from tests.integrations.vllm_groups_rig import (
+    KINDS,
+    LayerPatterns,
+    full_blocks,
+    groups_kv_cache_config,
+    hybrid_vllm_config,
+    layer_specs,
+    load_blocks,
+)
+from tests.integrations.vllm_rig import BLOCK_SIZE, make_request, write_tiny_llama
+
+STEP_TIMEOUT_S = 600.0
+
+
+def rank_specs(kind: str, tp: int) -> dict[str, Any]:
+    """The kind's layers as one rank sees them: its share of each layer's KV heads."""
+    specs = []
+    for spec in KINDS[kind]():
+        heads = getattr(spec, "num_kv_heads", 1)
+        if heads >= tp and heads % tp == 0:
+            spec = dataclasses.replace(spec, num_kv_heads=heads // tp)
+        specs.append(spec)
+    return layer_specs(specs)
+
+
+class _Rank:
+    def __init__(self, rank: int, build: dict[str, Any]) -> None:
+        import torch
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        config = hybrid_vllm_config(
+            Path(build["model_dir"]),
+            build["num_gpu_blocks"],
+            build["extra_config"],
+            build["connector"],
+            tp=build["tp"],
+            rank=rank,
+            engine_id=build["engine_id"],
+        )
+        with set_current_vllm_config(config):
+            specs = rank_specs(build["kind"], build["tp"])
+            kcc = groups_kv_cache_config(config, specs, build["num_gpu_blocks"])
+            self.connector = KVConnectorFactory.create_connector(
+                config, KVConnectorRole.WORKER, kcc
+            )
+            layout = config.cache_config.get_resolved_kv_cache_layout()
+            kv_caches = allocate_kv_cache(kcc, torch.device("cpu"), layout)
+            self.connector.register_kv_caches(kv_caches)
+        self.worker = self.connector.connector_worker.worker
+        self.patterns = LayerPatterns(kv_caches, kcc, salt=f"/rank{rank}")
+        self.pending: dict[int, list[tuple[int, int, bytes]]] = {}
+        self.bytes_verified = 0
+        self.blocks_verified = 0
+        self.mismatches: list[tuple[int, int]] = []
+
+    def _verify(self, job_ids: list[int]) -> None:
+        for job_id in job_ids:
+            for g, block_id, block_hash in self.pending.pop(job_id, []):
+                n = self.patterns.check(g, block_id, block_hash)
+                if n is None:
+                    self.mismatches.append((g, block_id))
+                else:
+                    self.bytes_verified += n
+                    self.blocks_verified += 1
+
+    def step(self, meta: Any, loads: dict[int, Any], writes: list[Any], finished: set[str]) -> Any:
+        from vllm.v1.outputs import KVConnectorOutput
+
+        wc = self.connector
+        wc.bind_connector_metadata(meta)
+        wc.handle_preemptions(meta)
+        self.pending.update({job_id: blocks for job_id, (blocks, _s) in loads.items()})
+        wc.start_load_kv(None)
+        self.worker.wait_all(timeout=60)
+        for g, block_id, block_hash in writes:
+            self.patterns.write(g, block_id, block_hash)
+        wc.wait_for_save()
+        before = set(self.pending)
+        finished_sending, finished_recving = wc.get_finished(finished)
+        in_flight = self.worker.in_flight_job_ids()
+        self._verify([j for j in before if j not in in_flight])
+        output = KVConnectorOutput(
+            finished_sending=finished_sending,
+            finished_recving=finished_recving,
+            invalid_block_ids=wc.get_block_ids_with_load_errors(),
+            kv_connector_worker_meta=wc.build_connector_worker_meta(),
+        )
+        wc.clear_connector_metadata()
+        return output
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "bytes_verified": self.bytes_verified,
+            "blocks_verified": self.blocks_verified,
+            "mismatches": list(self.mismatches),
+            "in_flight": self.worker.num_in_flight(),
+        }
+
+
+def _worker_main(rank: int, conn: Connection) -> None:
+    import kvoffload.integrations.vllm.connector  # noqa: F401 - vLLM imported before "ready"
+
+    conn.send(("ok", "ready"))
+    rig: _Rank | None = None
+    while True:
+        cmd, args = conn.recv()
+        try:
+            if cmd == "exit":
+                if rig is not None:
+                    rig.connector.shutdown()
+                conn.send(("ok", None))
+                return
+            if cmd == "build":
+                rig = _Rank(rank, args)
+                conn.send(("ok", None))
+            elif cmd == "step":
+                assert rig is not None
+                conn.send(("ok", rig.step(*args)))
+            elif cmd == "wait":
+                assert rig is not None
+                rig.worker.wait_all(timeout=60)
+                conn.send(("ok", rig.stats()))
+            elif cmd == "stats":
+                assert rig is not None
+                conn.send(("ok", rig.stats()))
+            elif cmd == "shutdown":
+                if rig is not None:
+                    rig.connector.shutdown()
+                rig = None
+                conn.send(("ok", None))
+            else:
+                conn.send(("error", f"unknown command {cmd!r}"))
+        except Exception as exc:  # reported to the test process, which raises it
+            import traceback
+
+            conn.send(("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}"))
+
+
+class GroupsWorkerPool:
+    """``tp`` spawned worker processes, reused across engines."""
+
+    def __init__(self, tp: int = 2) -> None:
+        ctx = mp.get_context("spawn")
+        self.tp = tp
+        self.conns: list[Connection] = []
+        self.procs: list[Any] = []
+        for rank in range(tp):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(rank, child), daemon=True)
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self._collect("start")
+
+    def _collect(self, cmd: str) -> list[Any]:
+        out = []
+        for conn in self.conns:
+            if not conn.poll(STEP_TIMEOUT_S):
+                raise AssertionError(f"worker did not answer {cmd!r} in {STEP_TIMEOUT_S} s")
+            status, value = conn.recv()
+            if status != "ok":
+                raise RuntimeError(value)
+            out.append(value)
+        return out
+
+    def call(self, cmd: str, args: Any = None) -> list[Any]:
+        for conn in self.conns:
+            conn.send((cmd, args))
+        return self._collect(cmd)
+
+    def close(self) -> None:
+        for conn, proc in zip(self.conns, self.procs):
+            try:
+                conn.send(("exit", None))
+                if conn.poll(30):
+                    conn.recv()
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+
+
+@dataclass
+class GroupsTPRig:
+    pool: GroupsWorkerPool
+    scheduler: Scheduler
+    hash_fn: Any
+    aggregator: KVOutputAggregator
+    first_computed: dict[str, int] = field(default_factory=dict)
+    loaded_blocks: int = 0
+
+    @classmethod
+    def build(
+        cls,
+        pool: GroupsWorkerPool,
+        tmp_path: Path,
+        kind: str,
+        extra_config: dict[str, Any],
+        connector: dict[str, Any],
+        num_gpu_blocks: int = 40,
+    ) -> GroupsTPRig:
+        from vllm.config import set_current_vllm_config
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import init_none_hash
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        build = {
+            "model_dir": str(write_tiny_llama(tmp_path / "tiny")),
+            "num_gpu_blocks": num_gpu_blocks,
+            "extra_config": dict(extra_config),
+            "connector": connector,
+            "engine_id": f"kvoffload-test-{uuid.uuid4().hex[:12]}",
+            "tp": pool.tp,
+            "kind": kind,
+        }
+        pool.call("build", build)  # vLLM's order: workers register, then the scheduler
+        config = hybrid_vllm_config(
+            Path(build["model_dir"]),
+            num_gpu_blocks,
+            extra_config,
+            connector,
+            tp=pool.tp,
+            engine_id=build["engine_id"],
+        )
+        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        with set_current_vllm_config(config):
+            kcc = groups_kv_cache_config(config, rank_specs(kind, pool.tp), num_gpu_blocks)
+            scheduler = Scheduler(
+                vllm_config=config,
+                kv_cache_config=kcc,
+                structured_output_manager=StructuredOutputManager(config),
+                block_size=BLOCK_SIZE,
+                log_stats=True,
+            )
+        return cls(pool, scheduler, hash_fn, KVOutputAggregator(pool.tp))
+
+    def add(self, prompt: list[int], req_id: str, max_tokens: int = 2) -> None:
+        self.scheduler.add_request(make_request(req_id, prompt, max_tokens, self.hash_fn))
+
+    def step(self) -> Any:
+        output = self.scheduler.schedule()
+        for new in output.scheduled_new_reqs:
+            self.first_computed.setdefault(new.req_id, new.num_computed_tokens)
+        meta = output.kv_connector_metadata
+        loads = {
+            job_id: (blocks, sync)
+            for job_id, (_r, blocks, sync) in load_blocks(self.scheduler, meta).items()
+        }
+        self.loaded_blocks += sum(len(b) for b, _s in loads.values())
+        args = (meta, loads, full_blocks(self.scheduler, output), set(output.finished_req_ids))
+        kv_outputs = self.pool.call("step", args)
+        req_ids = list(output.num_scheduled_tokens)
+        sampled = []
+        for req_id in req_ids:
+            request = self.scheduler.requests.get(req_id)
+            done = request is not None and request.num_computed_tokens >= request.num_tokens
+            sampled.append([7] if done else [])
+        runner_outputs = [
+            ModelRunnerOutput(
+                req_ids=req_ids,
+                req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=sampled,
+                kv_connector_output=kv_output,
+            )
+            for kv_output in kv_outputs
+        ]
+        self.scheduler.update_from_output(output, self.aggregator.aggregate(runner_outputs))
+        return output
+
+    def run(self, max_steps: int = 400) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests() and not self._busy():
+                return
+            output = self.step()
+            if not output.total_num_scheduled_tokens:
+                self.pool.call("wait")
+                time.sleep(0.002)
+        raise AssertionError(f"engine still busy after {max_steps} steps")
+
+    def _busy(self) -> bool:
+        if any(s["in_flight"] for s in self.pool.call("stats")):
+            return True
+        manager = self.scheduler.connector.connector_scheduler.manager  # type: ignore[union-attr]
+        pending = getattr(manager, "has_pending_work", None)
+        return bool(pending()) if pending is not None else False
+
+    def rank_stats(self) -> list[dict[str, Any]]:
+        return self.pool.call("stats")
+
+    def shutdown(self) -> None:
+        self.pool.call("shutdown")
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.shutdown()
