@@ -39,7 +39,9 @@ NUM_KV_HEADS = 2
 #: Bytes of one 32-token block of ONE layer's K and V in float32 (a group's page holds
 #: one such block per layer of the group).
 LAYER_BLOCK_BYTES = 2 * NUM_KV_HEADS * HEAD_DIM * 32 * 4
-ARCHITECTURES = ("gemma3",)
+#: ``granite4``'s layers: Mamba2 and attention alternating, Mamba first.
+GRANITE4_LAYER_TYPES = tuple("mamba" if i % 2 == 0 else "attention" for i in range(NUM_LAYERS))
+ARCHITECTURES = ("gemma3", "granite4")
 #: Written last: a directory holding it is complete.
 MARKER = "kvoffload-tiny-hybrid.json"
 
@@ -64,6 +66,36 @@ def gemma3_config_kwargs() -> dict[str, Any]:
         # 1/sqrt(head_dim), as attention usually scales: q and k are RMS-normed in
         # Gemma 3, so a wider init alone would not sharpen the scores.
         "query_pre_attn_scalar": HEAD_DIM,
+        "initializer_range": 0.25,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
+def granite4_config_kwargs() -> dict[str, Any]:
+    """``GraniteMoeHybridConfig`` arguments of the tiny Mamba hybrid (dense: no experts)."""
+    return {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "shared_intermediate_size": 256,
+        "num_local_experts": 0,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": 4,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "max_position_embeddings": 4096,
+        "layer_types": list(GRANITE4_LAYER_TYPES),
+        "position_embedding_type": "rope",
+        "mamba_n_heads": 8,
+        "mamba_d_head": 32,
+        "mamba_d_state": 16,
+        "mamba_n_groups": 1,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_chunk_size": 64,
         "initializer_range": 0.25,
         "pad_token_id": 0,
         "bos_token_id": 1,
@@ -102,13 +134,20 @@ def make_tiny_hybrid(path: str | Path, arch: str = "gemma3", seed: int = DEFAULT
     if model_is_complete(out):
         return out
     import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     out.mkdir(parents=True, exist_ok=True)
-    config = Gemma3TextConfig(**gemma3_config_kwargs())
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(config)
+    if arch == "gemma3":
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        config: Any = Gemma3TextConfig(**gemma3_config_kwargs())
+        model: Any = Gemma3ForCausalLM(config)
+    else:
+        from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+        config = GraniteMoeHybridConfig(**granite4_config_kwargs())
+        model = GraniteMoeHybridForCausalLM(config)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() >= 2:
