@@ -179,3 +179,30 @@ def test_run_flags_reach_the_engine_config(argv: list[str], mode: str, described
 def test_unknown_events_mode_is_one_line() -> None:
     with pytest.raises(ValueError, match="EngineConfig.events_mode: unknown KV events mode"):
         EngineConfig(events_mode="copies")
+
+
+def test_restart_on_the_same_disk_announces_then_describes_what_it_holds(
+    tmp_path: Path,
+) -> None:
+    # The restarted engine announces the disk's blocks at start (placeholders: their
+    # tokens are not on disk); serving the prompts again shows their tokens on the
+    # GPU, and the disk tier re-announces them described. The set stays exact.
+    first, _ = _engine(tmp_path)
+    try:
+        first.generate(PROMPTS, SamplingParams(max_tokens=2))
+        first.drain()
+    finally:
+        first.close()
+    engine, published = _engine(tmp_path)
+    router = Router()
+    try:
+        engine.step()
+        router.apply(published)
+        published.clear()
+        on_disk = set(router.held.get("DISK", set()))
+        assert on_disk, "the restarted disk tier announced nothing"
+        assert not router.described.get("DISK")
+        _run(engine, published, router)
+    finally:
+        engine.close()
+    assert router.described.get("DISK"), "no disk block re-announced with its tokens"

@@ -17,7 +17,10 @@ holds the blocks, snapshotted per key when a tier first holds it and kept
 while any tier holds it (then in a bounded "recently left" map, because a
 write-back store to disk may be announced after the CPU dropped the key).
 A key whose payload is unknown (a disk block from an earlier run) is
-announced as vLLM's placeholder: its one hash, ``block_size=0``, no tokens.
+announced as vLLM's placeholder: its one hash, ``block_size=0``, no tokens;
+once the GPU tier holds its blocks again (a hit loads them), every tier
+holding it re-announces it described: a removal of the placeholder's hash,
+then the self-describing store (a set of hashes stays exact throughout).
 
 Without self-description, stores carry ``block_size=0`` and no tokens (a
 router takes them from the GPU tier's events). ``group_idx`` None is group
@@ -38,6 +41,7 @@ from kvoffload.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEven
 from kvoffload.offload.base import (
     OffloadingEvent,
     OffloadKey,
+    make_offload_key,
     offload_key_block_hash,
     offload_key_group_idx,
 )
@@ -115,6 +119,10 @@ class OffloadEventDescriber:
         self._gpu_left: set[bytes] = set()
         self._held: dict[OffloadKey, _Held] = {}
         self._left: OrderedDict[OffloadKey, _Payload] = OrderedDict()
+        # Held keys announced as placeholders, and those whose payload the GPU
+        # tier has just shown (re-announced described at the next translation).
+        self._placeholders: set[OffloadKey] = set()
+        self._to_describe: set[OffloadKey] = set()
 
     # -- the GPU tier's exact stream --------------------------------------------
 
@@ -136,6 +144,10 @@ class OffloadEventDescriber:
                     event.lora_name,
                 )
                 self._gpu_left.discard(h)  # type: ignore[arg-type]
+                if self._placeholders:
+                    key = make_offload_key(h, event.group_idx or 0)  # type: ignore[arg-type]
+                    if key in self._placeholders:
+                        self._to_describe.add(key)
                 parent = h
         elif isinstance(event, BlockRemoved):
             # Forgotten only after the next translation: a store of these blocks
@@ -174,6 +186,8 @@ class OffloadEventDescriber:
         """KV events for ``events`` (in order), announcing only changes of each tier's set."""
         out: list[KVEvent] = []
         emptied: list[OffloadKey] = []
+        if self._to_describe:
+            self._describe_placeholders(out)
         for ev in events:
             medium = ev.medium
             if ev.removed:
@@ -197,6 +211,8 @@ class OffloadEventDescriber:
                     if payload is None and self.self_describing:
                         payload = self._from_gpu(key)
                     held = self._held[key] = _Held(payload)
+                    if payload is None:
+                        self._placeholders.add(key)
                 if medium in held.media:
                     continue
                 held.media.add(medium)
@@ -207,6 +223,7 @@ class OffloadEventDescriber:
             held = self._held.get(key)
             if held is not None and not held.media:
                 del self._held[key]
+                self._placeholders.discard(key)
                 if held.payload is not None:
                     self._left[key] = held.payload
         while len(self._left) > RECENTLY_LEFT:
@@ -215,6 +232,23 @@ class OffloadEventDescriber:
             self._gpu.pop(h, None)
         self._gpu_left.clear()
         return out
+
+    def _describe_placeholders(self, out: list[KVEvent]) -> None:
+        """Re-announce placeholder keys whose payload the GPU tier now shows."""
+        for key in self._to_describe:
+            held = self._held.get(key)
+            if held is None or held.payload is not None:
+                continue
+            payload = self._from_gpu(key)
+            if payload is None:
+                continue
+            self._placeholders.discard(key)
+            group = offload_key_group_idx(key)
+            for medium in sorted(held.media):
+                out.append(self._removed([offload_key_block_hash(key)], medium, group))
+                out.append(self._stored(key, payload, medium))
+            held.payload = payload
+        self._to_describe.clear()
 
     @staticmethod
     def _extends(
@@ -300,6 +334,8 @@ class OffloadEventDescriber:
         """Forget every payload (a tier reset announces its removals first)."""
         self._held.clear()
         self._left.clear()
+        self._placeholders.clear()
+        self._to_describe.clear()
 
 
 def tier_ownership(manager: object) -> dict[str, str]:
