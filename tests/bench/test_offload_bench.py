@@ -22,8 +22,8 @@ from kvoffload.offload import (
     DEFAULT_CACHE_POLICY,
     CPUOffloadingManager,
     make_offload_key,
-    policy_names,
 )
+from kvoffload.offload.policies import AdmitARCPolicy, AdmitLRUPolicy, CachePolicy, all_policies
 
 
 def k(c: str) -> bytes:
@@ -60,7 +60,7 @@ def test_belady_bounds_every_policy_and_the_ceiling_bounds_belady(kind: str) -> 
     for cap in (longest, 2 * longest):  # a store always fits: none refused
         bound = belady_hit_rate(trace, cap)
         assert bound <= ceiling + 1e-12
-        for p in policy_names():
+        for p in all_policies():
             r = replay(trace, p, cap)
             assert r.hit_rate <= bound + 1e-12, (p, cap)
             assert r.block_ops > 0 and r.stores_refused == 0
@@ -83,8 +83,8 @@ def test_trace_round_trip(tmp_path: Path) -> None:
     assert load_trace(tmp_path / "t.jsonl") == reqs
 
 
-@pytest.mark.parametrize("policy", sorted({"arc_admit", "lru_admit", DEFAULT_CACHE_POLICY}))
-def test_admission_beats_lru_on_a_scan_heavy_trace(policy: str) -> None:
+@pytest.mark.parametrize("policy", [AdmitARCPolicy, AdmitLRUPolicy, DEFAULT_CACHE_POLICY])
+def test_admission_beats_lru_on_a_scan_heavy_trace(policy: str | type[CachePolicy]) -> None:
     # A hot prefix read again and again, with two one-off scans in between
     # (40 blocks: more than the tier) that flush LRU; second-sighting admission
     # keeps the scans in the slots of earlier scans, out of the hot prefix's way.
@@ -137,7 +137,7 @@ def test_cli_json_and_out(
     path = tmp_path / "trace.jsonl"
     save_trace(generate("mixed", 120, seed=5), path)
     args = ["bench", "offload", "--trace", str(path), "--capacity", "2%", "50"]
-    args += ["--policies", "lru,arc_admit", "--no-vllm", "--json", "--out", str(tmp_path / "o")]
+    args += ["--policies", "lru,chain_arms", "--no-vllm", "--json", "--out", str(tmp_path / "o")]
     assert main(args) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["trace"] == str(path) and len(report["results"]) == 4
@@ -159,7 +159,7 @@ def test_table_keeps_every_policy_name_whole_at_80_columns() -> None:
     from kvoffload.bench.offload_report import print_report, table_lines
 
     trace = trace_keys(generate("chat", 120, seed=3))
-    names = ["chain_arms", "chain_duel", "chain_lru", DEFAULT_CACHE_POLICY]
+    names = ["chain_arms", "arc", "lru", DEFAULT_CACHE_POLICY]
     report = bench(trace, ["1%", "5%", "10%", "25%"], names, with_vllm=False)
     report["trace"] = "trace.jsonl"
     console = Console(width=80, record=True)
@@ -173,7 +173,7 @@ def test_table_keeps_every_policy_name_whole_at_80_columns() -> None:
         row["ops_vs_vllm_lru"] = 1.0 + row["capacity"] / 1000  # type: ignore[index]
     lines = {cells[0]: cells for cells in table_lines(report)}
     low = min(r["capacity"] for r in report["results"])  # type: ignore[union-attr]
-    assert lines["chain_lru"][-2] == f"{1.0 + low / 1000:.1f}x"
+    assert lines["lru"][-2] == f"{1.0 + low / 1000:.1f}x"
 
 
 def test_each_timed_replay_starts_from_a_collected_frozen_heap(

@@ -87,7 +87,7 @@ def tiny_traces() -> list[suite.SuiteTrace]:
 
 
 def test_variants_apply_only_during_their_replays(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvoffload.offload.policies.arms_duel import ArmsDuel
+    from kvoffload.offload.policies.default.arms_duel import ArmsDuel
 
     before = ArmsDuel.fresh_share
     seen: list[float] = []

@@ -18,10 +18,11 @@ from hypothesis import strategies as st
 from kvoffload.bench.offload import replay
 from kvoffload.bench.traces import generate, trace_keys
 from kvoffload.offload import CPUOffloadingManager, OffloadKey
-from kvoffload.offload.policies.arc_arm import T1, T2, ArcArm
-from kvoffload.offload.policies.policy_duel import ARC, PolicyDuel, fit_room
-from kvoffload.offload.policies.queue import QueueAwarePolicy
-from kvoffload.offload.policies.shadow_tier import ALL, BIP, SECOND, ShadowTier
+from kvoffload.offload.policies.default import ChainLRUPolicy
+from kvoffload.offload.policies.default.arc_arm import T1, T2, ArcArm
+from kvoffload.offload.policies.default.policy_duel import ARC, PolicyDuel, fit_room
+from kvoffload.offload.policies.default.queue import QueueAwarePolicy
+from kvoffload.offload.policies.default.shadow_tier import ALL, BIP, SECOND, ShadowTier
 from tests.offload.keyutil import key, keys
 
 # -- a reference ARC: lists, O(n) everywhere, the rule written out once ---------------------
@@ -309,15 +310,15 @@ def test_switch_waits_a_capacity_of_keys() -> None:
 def test_rag_follows_arc_and_chat_admits_all() -> None:
     rag = trace_keys(generate("rag", 1500, seed=3))
     chat = trace_keys(generate("chat", 1500, seed=3))
-    r_duel, r_arc = replay(rag, "policy_duel", 80), replay(rag, "arc", 80)
+    r_duel, r_arc = replay(rag, PolicyDuel, 80), replay(rag, "arc", 80)
     assert r_duel.hit_blocks >= 0.97 * r_arc.hit_blocks
-    c_duel, c_lru = replay(chat, "policy_duel", 400), replay(chat, "chain_lru", 400)
+    c_duel, c_lru = replay(chat, PolicyDuel, 400), replay(chat, ChainLRUPolicy, 400)
     assert c_duel.hit_blocks >= 0.99 * c_lru.hit_blocks
 
 
 def test_same_trace_same_result() -> None:
     trace = trace_keys(generate("mixed", 400, seed=8))
-    a, b = (replay(trace, "policy_duel", 60) for _ in range(2))
+    a, b = (replay(trace, PolicyDuel, 60) for _ in range(2))
     assert a.hit_blocks == b.hit_blocks and a.block_ops == b.block_ops
 
 
@@ -381,7 +382,7 @@ def test_lru_shadows_store_a_continuation_behind_the_prefix_it_read() -> None:
     # keeps 1 newest and 5 oldest. The shadows must rank the same way, else they score
     # plain LRU (which evicts a cold chain from its head) and the duel takes ARC for
     # the chain-aware LRU's equal. ARC's shadow stays plain, as ARC is.
-    m = CPUOffloadingManager(16, "policy_duel")  # a tier this small samples every key
+    m = CPUOffloadingManager(16, PolicyDuel)  # a tier this small samples every key
     duel = m.policy
     assert isinstance(duel, PolicyDuel) and duel.lru.rate_mask == 0
     for ks in (keys(1, 2, 3), keys(1, 2, 3, 4, 5)):
@@ -423,7 +424,7 @@ def test_an_evicted_first_sighting_admitted_again_is_not_demoted() -> None:
     # its second sighting. When a filter then takes over, only keys admitted on first
     # sight and unread since become rejects: 1 earned its place and stays kept. (It
     # stayed in the first-sighting set after its eviction, and was demoted.)
-    m = CPUOffloadingManager(4, "policy_duel")
+    m = CPUOffloadingManager(4, PolicyDuel)
     duel = m.policy
     assert isinstance(duel, PolicyDuel) and duel.lru.mode == ALL
     for k in (1, 2, 3, 4, 5):
@@ -470,7 +471,7 @@ def test_wasted_first_sightings_move_the_duel_to_second_sighting_early(
         return first, replay(trace, "queue_arms", cap).hit_blocks
 
     with_fates, hits = first_filter_request()
-    monkeypatch.setattr("kvoffload.offload.policies.arms_duel.ArmsDuel.fresh_trial", 10**9)
+    monkeypatch.setattr("kvoffload.offload.policies.default.arms_duel.ArmsDuel.fresh_trial", 10**9)
     without, hits_without = first_filter_request()
     assert with_fates is not None
     assert without is None or with_fates < without

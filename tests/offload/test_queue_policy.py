@@ -21,8 +21,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvoffload.bench.offload import belady_hit_rate, replay
 from kvoffload.bench.traces import LOOP_CAPACITY, generate, trace_keys, trace_times
 from kvoffload.offload import CPUOffloadingManager, OffloadKey
-from kvoffload.offload.policies.arms import BIP, ArmsChainLRUPolicy
-from kvoffload.offload.policies.queue import QueueArmsPolicy, QueueAwarePolicy
+from kvoffload.offload.policies.default.arms import BIP, ArmsChainLRUPolicy
+from kvoffload.offload.policies.default.policy_duel import PolicyDuel
+from kvoffload.offload.policies.default.queue import QueueArmsPolicy, QueueAwarePolicy
 from tests.offload.keyutil import key, keys
 
 
@@ -193,7 +194,7 @@ def test_without_hints_it_is_its_inner_policy() -> None:
     trace = trace_keys(generate("mixed", 200, seed=4))
     for cap in (40, 400):
         a = replay(trace, "queue_arms", cap)
-        b = replay(trace, "policy_duel", cap)
+        b = replay(trace, PolicyDuel, cap)
         assert a.hit_blocks == b.hit_blocks
 
 

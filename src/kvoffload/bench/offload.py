@@ -56,6 +56,7 @@ from kvoffload.bench.traces import (
 from kvoffload.cli import argtypes
 from kvoffload.offload import CPUOffloadingManager, OffloadingManager, OffloadKey, policy_names
 from kvoffload.offload.cpu_manager import DEFAULT_CACHE_POLICY
+from kvoffload.offload.policies import CachePolicy
 
 Trace = Sequence[Sequence[OffloadKey]]
 VLLM_ROWS = ("vllm:lru", "vllm:arc", "vllm:lru+store_threshold=2")
@@ -88,7 +89,7 @@ _LOOP_CAPACITY_HELP = LOOP_CAPACITY.replace("%", "%%")
 
 def replay(
     trace: Trace,
-    policy: str,
+    policy: str | type[CachePolicy],
     capacity: int,
     times: Sequence[float] | None = None,
     lookahead_ms: float = 0.0,
@@ -160,7 +161,8 @@ def replay(
             complete_store(stored)
             ops += len(stored)
     seconds = time.perf_counter() - start
-    return ReplayResult(policy, capacity, blocks, hits, ops, seconds, refused)
+    name = policy if isinstance(policy, str) else policy.__name__
+    return ReplayResult(name, capacity, blocks, hits, ops, seconds, refused)
 
 
 def _steady_heap() -> None:

@@ -46,6 +46,7 @@ from kvoffload.bench.offload import (
 from kvoffload.bench.traces import LOOP_CAPACITY, generate, load_trace, trace_keys, trace_times
 from kvoffload.offload import policy_names
 from kvoffload.offload.cpu_manager import DEFAULT_CACHE_POLICY
+from kvoffload.offload.policies import BUILDING_BLOCKS, CachePolicy
 
 #: Generated families, in report order.
 FAMILIES = ("rag", "chat", "agent", "mixed", "conversation", "loop", "oneoff")
@@ -53,6 +54,8 @@ CAPACITIES = ("1%", "5%", "10%", "25%")
 #: The real trace looked for when no ``--trace-file`` names it (next to the repository).
 SHARED_TRACE = "mooncake_synthetic_trace.jsonl"
 TRACE_DIR_ENV = "KVOFFLOAD_TRACE_DIR"
+#: A candidate: a registered name or a building block's class.
+PolicySpec = str | type[CachePolicy]
 
 
 @dataclass(frozen=True)
@@ -204,17 +207,16 @@ def run_suite(
 ) -> list[Point]:
     """Every candidate at every point. ``vllm_rows(trace, capacity)`` gives the
     baseline's hit rates by row name (default: vLLM's three managers)."""
-    known = policy_names()
-    for p in policies:
-        if p not in known:
-            raise ValueError(f"unknown cache policy {p!r}; known: {', '.join(known)}")
+    resolved = [resolve_policy(p) for p in policies]
     if vllm_rows is None:
         why = offload_vllm.unavailable()
         if why is not None:
             raise RuntimeError(f"the suite judges against vLLM's own policies: {why}")
         vllm_rows = vllm_hit_rates
     look_ms = 1000.0 * lookahead_s
-    candidates: list[tuple[str, str, Variant | None]] = [(p, p, None) for p in policies]
+    candidates: list[tuple[str, PolicySpec, Variant | None]] = [
+        (p, r, None) for p, r in zip(policies, resolved)
+    ]
     candidates += [(v.name, DEFAULT_CACHE_POLICY, v) for v in variants]
     points = []
     for tr in traces:
@@ -238,6 +240,18 @@ def run_suite(
                     pt.hit[name] = replay(tr.keys, policy, cap, tr.times, look_ms).hit_rate
             points.append(pt)
     return points
+
+
+def resolve_policy(name: str) -> PolicySpec:
+    """A registered name, or the class name of a building block (``BUILDING_BLOCKS``), so
+    that the suite can tell whether a block leads somewhere before it becomes a name."""
+    if name in policy_names():
+        return name
+    for cls in BUILDING_BLOCKS:
+        if cls.__name__ == name:
+            return cls
+    known = [*policy_names(), *(c.__name__ for c in BUILDING_BLOCKS)]
+    raise ValueError(f"unknown cache policy {name!r}; known: {', '.join(known)}")
 
 
 def vllm_hit_rates(trace: Trace, capacity: int) -> dict[str, float]:

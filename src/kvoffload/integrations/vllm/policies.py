@@ -1,11 +1,11 @@
 """kvoffload's cache policies as vLLM 0.33 ``CachePolicy`` classes, for vLLM's own CPU tier.
 
 vLLM's ``CPUOffloadingManager`` (and the CPU tier of its ``TieringOffloadingSpec``)
-loads its policy by class name: ``"eviction_policy": "KVOffloadChainDuelPolicy",
+loads its policy by class name: ``"eviction_policy": "KVOffloadQueueArmsPolicy",
 "cache_policy_module_path": "kvoffload.integrations.vllm"``. Every policy of
-kvoffload's registry has a class here, named ``KVOffload<Name>Policy``
-(``policy_class_name``): ``lru`` -> ``KVOffloadLRUPolicy``, ``chain_duel`` ->
-``KVOffloadChainDuelPolicy``, ...; ``KVOffloadPolicy`` is kvoffload's default.
+kvoffload's menu (``policy_names``) has a class here, named ``KVOffload<Name>Policy``
+(``policy_class_name``): ``lru`` -> ``KVOffloadLRUPolicy``, ``chain_arms`` ->
+``KVOffloadChainArmsPolicy``, ...; ``KVOffloadPolicy`` is kvoffload's default.
 
 The two interfaces cut the work differently. vLLM's policy owns the chunk
 table (``get``/``insert``/``remove``, stores in flight included) and hears
@@ -53,14 +53,14 @@ from kvoffload.offload.cpu_manager import DEFAULT_CACHE_POLICY
 from kvoffload.offload.policies.base import CachePolicy
 from kvoffload.offload.policies.registry import POLICIES, make_policy
 
-_ACRONYMS = {"lru": "LRU", "arc": "ARC", "s3fifo": "S3FIFO", "fifo": "FIFO"}
+_ACRONYMS = {"lru": "LRU", "arc": "ARC"}
 
 # Kinds of deferred operations on the inner policy.
 _PIN, _UNPIN, _INSERT, _ACCESS, _HINT = "pin", "unpin", "insert", "access", "hint"
 
 
 def policy_class_name(policy: str) -> str:
-    """The vLLM class name of a kvoffload policy: ``chain_duel`` -> ``KVOffloadChainDuelPolicy``."""
+    """The vLLM class name of a kvoffload policy: ``chain_arms`` -> ``KVOffloadChainArmsPolicy``."""
     parts = (_ACRONYMS.get(p, p.capitalize()) for p in policy.split("_"))
     return "KVOffload" + "".join(parts) + "Policy"
 

@@ -1,23 +1,37 @@
-"""Cache policies of a tier, by name.
+"""Cache policies of a tier: the contract, the simple policies, the default's layers.
 
-``lru``, ``lru_flat``, ``chain_lru``, ``arc``, ``s3fifo``, ``sieve``, ``arc_admit``,
-``lru_admit``, ``chain_duel``, ``chain_arms``, ``policy_duel`` (chain LRU's admission
-arms or ARC, whichever a duel of shadow tiers favours) and ``queue_arms`` (queue hints
-around ``policy_duel``: the default); see ``registry``.
+- ``base``: the contract every policy implements (``CachePolicy``), queue and
+  session hints included;
+- ``registry``: the menu of names a user picks from (``policy_names``,
+  ``policy_menu``, ``make_policy``; see there for when to pick each);
+- the simple policies: ``lru`` (``LRUPolicy``, vLLM's; ``FlatLRUPolicy``),
+  ``arc`` (``ARCPolicy``, vLLM's), ``s3fifo``, ``sieve``, ``admission``
+  (second-sighting admission in front of LRU or ARC, as vLLM's
+  ``store_threshold=2``) and ``chain_duel`` (chain-aware LRU whose admission a
+  duel of two shadows picks: an earlier stage of the default);
+- ``default``: the default policy (``queue_arms``), one module per layer in
+  the order a request meets them (queue hints, the duel of structures, the
+  admission arms, their shadows, the chain-aware LRU list, the ARC structure).
 """
 
 from kvoffload.offload.policies.admission import AdmitARCPolicy, AdmitLRUPolicy
 from kvoffload.offload.policies.arc import ARCPolicy
-from kvoffload.offload.policies.arms import ArmsChainLRUPolicy
 from kvoffload.offload.policies.base import CachePolicy
-from kvoffload.offload.policies.chain_lru import ChainLRUPolicy
-from kvoffload.offload.policies.duel import DuelChainLRUPolicy
+from kvoffload.offload.policies.chain_duel import DuelChainLRUPolicy
+from kvoffload.offload.policies.default import (
+    ArmsChainLRUPolicy,
+    ChainLRUPolicy,
+    PolicyDuel,
+    QueueArmsPolicy,
+    QueueAwarePolicy,
+)
 from kvoffload.offload.policies.lru import FlatLRUPolicy, LRUPolicy
-from kvoffload.offload.policies.policy_duel import PolicyDuel
-from kvoffload.offload.policies.queue import QueueArmsPolicy, QueueAwarePolicy
 from kvoffload.offload.policies.registry import (
+    BUILDING_BLOCKS,
     POLICIES,
+    all_policies,
     make_policy,
+    policy_menu,
     policy_names,
     register_policy,
 )
@@ -25,6 +39,7 @@ from kvoffload.offload.policies.s3fifo import S3FIFOPolicy
 from kvoffload.offload.policies.sieve import SievePolicy
 
 __all__ = [
+    "BUILDING_BLOCKS",
     "POLICIES",
     "ARCPolicy",
     "AdmitARCPolicy",
@@ -40,7 +55,9 @@ __all__ = [
     "QueueAwarePolicy",
     "S3FIFOPolicy",
     "SievePolicy",
+    "all_policies",
     "make_policy",
+    "policy_menu",
     "policy_names",
     "register_policy",
 ]

@@ -22,10 +22,10 @@ from itertools import filterfalse, repeat, starmap
 from typing import ClassVar
 
 from kvoffload.offload.base import OffloadKey
-from kvoffload.offload.policies.arc_arm import ArcArm
-from kvoffload.offload.policies.arms import _OLDEST, ALL, ArmsChainLRUPolicy, _consume
-from kvoffload.offload.policies.chain_lru import ChainLRUPolicy
-from kvoffload.offload.policies.shadow_tier import ARC, BIP, SECOND, ShadowTier
+from kvoffload.offload.policies.default.arc_arm import ArcArm
+from kvoffload.offload.policies.default.arms import _OLDEST, ALL, ArmsChainLRUPolicy, _consume
+from kvoffload.offload.policies.default.chain_lru import ChainLRUPolicy
+from kvoffload.offload.policies.default.shadow_tier import ARC, BIP, SECOND, ShadowTier
 
 
 class ArmsDuel(ArmsChainLRUPolicy):

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import filterfalse, repeat, starmap
 
 from kvoffload.offload.base import OffloadKey
-from kvoffload.offload.policies.arc_arm import ArcArm
+from kvoffload.offload.policies.default.arc_arm import ArcArm
 
 ALL, SECOND, BIP, ARC = 0, 1, 2, 3
 _OLDEST = (False,)  # popitem's argument: the least recent item

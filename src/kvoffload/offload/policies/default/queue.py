@@ -53,7 +53,7 @@ from typing import ClassVar
 
 from kvoffload.offload.base import OffloadKey
 from kvoffload.offload.policies.base import CachePolicy
-from kvoffload.offload.policies.policy_duel import PolicyDuel, fit_room
+from kvoffload.offload.policies.default.policy_duel import PolicyDuel, fit_room
 
 #: What the wrapper hands straight to the inner policy while it holds no hint state.
 _FORWARDED = ("insert", "access", "pin", "unpin", "hint_parent", "num_evictable")

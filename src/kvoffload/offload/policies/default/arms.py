@@ -31,7 +31,7 @@ from typing import ClassVar
 
 from kvoffload.offload.base import OffloadKey
 from kvoffload.offload.policies.admission import SecondSightPolicy
-from kvoffload.offload.policies.chain_lru import ChainLRUPolicy
+from kvoffload.offload.policies.default.chain_lru import ChainLRUPolicy
 
 ALL, SECOND, BIP = 0, 1, 2
 MODE_NAMES = ("all", "second", "bip")

@@ -49,10 +49,10 @@ from itertools import compress
 from typing import ClassVar
 
 from kvoffload.offload.base import OffloadKey
-from kvoffload.offload.policies.arc_arm import ArcArm
-from kvoffload.offload.policies.arms_duel import ArmsDuel
 from kvoffload.offload.policies.base import CachePolicy
-from kvoffload.offload.policies.shadow_tier import ARC, BIP
+from kvoffload.offload.policies.default.arc_arm import ArcArm
+from kvoffload.offload.policies.default.arms_duel import ArmsDuel
+from kvoffload.offload.policies.default.shadow_tier import ARC, BIP
 
 __all__ = ["ARC", "ARM_NAMES", "ArmsDuel", "PolicyDuel", "fit_room"]
 

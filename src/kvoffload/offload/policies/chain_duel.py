@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from kvoffload.offload.base import OffloadKey
 from kvoffload.offload.policies.admission import SecondSightPolicy
-from kvoffload.offload.policies.chain_lru import ChainLRUPolicy
+from kvoffload.offload.policies.default.chain_lru import ChainLRUPolicy
 
 
 class _ShadowLRU:
