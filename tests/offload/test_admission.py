@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 from kvoffload.bench.traces import generate, trace_keys
 from kvoffload.offload import CPUOffloadingManager, OffloadKey
-from kvoffload.offload.policies.arms import SECOND, ArmsChainLRUPolicy
-from kvoffload.offload.policies.queue import QueueArmsPolicy
+from kvoffload.offload.policies.default.arms import SECOND, ArmsChainLRUPolicy
+from kvoffload.offload.policies.default.queue import QueueArmsPolicy
 from kvoffload.offload.tiered_manager import TieredOffloadingManager
 from tests.offload.keyutil import keys
 
