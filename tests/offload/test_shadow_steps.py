@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from kvoffload.offload.policies.shadow_tier import ALL, ARC, BIP, SECOND, ShadowTier
+from kvoffload.offload.policies.default.shadow_tier import ALL, ARC, BIP, SECOND, ShadowTier
 
 
 def _state(t: ShadowTier) -> tuple[object, ...]:
