@@ -152,7 +152,7 @@ class ReferenceMachine(RuleBasedStateMachine):
         self.ref: RefLRU | RefARC = RefLRU(1)
         self.capacity = 1
 
-    @initialize(name=st.sampled_from(["arc", "lru", "lru_flat"]), capacity=st.integers(1, 6))
+    @initialize(name=st.sampled_from(["arc", "lru", FlatLRUPolicy]), capacity=st.integers(1, 6))
     def choose(self, name: str, capacity: int) -> None:
         self.capacity = capacity
         self.policy = make_policy(name, capacity)  # type: ignore[assignment]
@@ -242,7 +242,7 @@ TestReferenceMachine.settings = settings(max_examples=200, stateful_step_count=5
 
 
 def test_flat_lru_is_the_chain_unaware_one() -> None:
-    assert isinstance(make_policy("lru_flat", 2), FlatLRUPolicy)
+    assert isinstance(make_policy(FlatLRUPolicy, 2), FlatLRUPolicy)
     assert FlatLRUPolicy.chain_order([key(1), key(2)]) == [key(1), key(2)]
 
 
