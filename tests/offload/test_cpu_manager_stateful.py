@@ -19,8 +19,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvoffload.offload import CPUOffloadingManager, OffloadingEvent, OffloadKey, policy_names
-from kvoffload.offload.policies import make_policy
+from kvoffload.offload import CPUOffloadingManager, OffloadingEvent, OffloadKey
+from kvoffload.offload.policies import FlatLRUPolicy, all_policies, make_policy
 from kvoffload.offload.policies.admission import SecondSightPolicy
 from tests.offload.keyutil import key
 
@@ -47,7 +47,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.last_used: dict[OffloadKey, int] = {}
         self.tick = 0
 
-    @initialize(policy=st.sampled_from(policy_names()))
+    @initialize(policy=st.sampled_from(all_policies()))
     def start(self, policy: str) -> None:
         self.policy = policy
         self.m = CPUOffloadingManager(N, policy, enable_events=True)
@@ -56,7 +56,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @property
     def exact(self) -> bool:
-        return self.policy in ("lru", "lru_flat")
+        return self.policy in ("lru", FlatLRUPolicy)
 
     def use(self, keys: list[OffloadKey]) -> None:
         for k in keys[::-1] if self.policy == "lru" else keys:
@@ -247,7 +247,7 @@ TestManagerMachine.settings = settings(max_examples=300, stateful_step_count=40,
 class LRUManagerMachine(ManagerMachine):
     """The same machine on the two policies whose victims the model predicts exactly."""
 
-    @initialize(policy=st.sampled_from(["lru", "lru_flat"]))
+    @initialize(policy=st.sampled_from(["lru", FlatLRUPolicy]))
     def start(self, policy: str) -> None:
         super().start(policy)
 
@@ -258,7 +258,7 @@ TestLRUManagerMachine.settings = settings(max_examples=200, stateful_step_count=
 
 #: Policies with second-sighting admission: first-sighting keys sit in a reject
 #: queue until read again, a path of their own for repeated keys.
-ADMISSION = [n for n in policy_names() if isinstance(make_policy(n, N), SecondSightPolicy)]
+ADMISSION = [n for n in all_policies() if isinstance(make_policy(n, N), SecondSightPolicy)]
 
 
 class AdmissionManagerMachine(ManagerMachine):
