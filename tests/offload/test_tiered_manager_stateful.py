@@ -18,6 +18,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvoffload.offload import CPUOffloadingManager, GPULoadStoreSpec, LoadStoreSpec, OffloadKey
 from kvoffload.offload.lower_tier import LowerTierManager
+from kvoffload.offload.policies import (
+    AdmitARCPolicy,
+    AdmitLRUPolicy,
+    ChainLRUPolicy,
+    DuelChainLRUPolicy,
+)
 from kvoffload.offload.tiered_manager import TieredOffloadingManager
 from kvoffload.tiers.disk.manager import DiskOffloadingManager
 from kvoffload.tiers.redis.manager import RemoteOffloadingManager
@@ -74,7 +80,9 @@ class TieredMachine(RuleBasedStateMachine):
         mode=st.sampled_from(["write_back", "write_through"]),
         cpu_blocks=st.integers(1, 4),
         disk_blocks=st.integers(1, 5),
-        policy=st.sampled_from(["lru", "chain_lru", "arc", "lru_admit", "arc_admit", "chain_duel"]),
+        policy=st.sampled_from(
+            ["lru", ChainLRUPolicy, "arc", AdmitLRUPolicy, AdmitARCPolicy, DuelChainLRUPolicy]
+        ),
     )
     def start(self, tiers: str, mode: str, cpu_blocks: int, disk_blocks: int, policy: str) -> None:
         lower: list[LowerTierManager] = []
@@ -234,7 +242,7 @@ def random_walk(seed: int, tiers: str, mode: str, steps: int = 400) -> TieredMac
 
     rng = random.Random(seed)
     m = TieredMachine()
-    m.start(tiers, mode, rng.randint(1, 4), rng.randint(1, 5), rng.choice(["lru", "chain_lru"]))
+    m.start(tiers, mode, rng.randint(1, 4), rng.randint(1, 5), rng.choice(["lru", ChainLRUPolicy]))
     for _ in range(steps):
         r = rng.random()
         c, n = rng.randrange(CHAINS), rng.randint(1, CHAIN_LEN)
