@@ -20,7 +20,7 @@ import pytest
 
 from kvoffload.bench import offload, offload_vllm
 from kvoffload.offload import OffloadKey, make_offload_key
-from kvoffload.offload.policies import policy_names
+from kvoffload.offload.policies import CachePolicy, all_policies
 from tests.vllm_required import need_vllm
 
 need_vllm()
@@ -50,8 +50,10 @@ def test_vllm_lru_and_arc_each_hit_what_the_other_evicted(capacity: int) -> None
 
 
 @pytest.mark.parametrize("capacity", [2, 3, 8])
-@pytest.mark.parametrize("policy", policy_names())
-def test_every_policy_trails_the_better_one_on_some_trace(policy: str, capacity: int) -> None:
+@pytest.mark.parametrize("policy", all_policies())
+def test_every_policy_trails_the_better_one_on_some_trace(
+    policy: str | type[CachePolicy], capacity: int
+) -> None:
     below = []
     for last, trace in _traces(capacity).items():
         best = max(_vllm_hits(trace, row, capacity) for row in offload_vllm.ROWS)
