@@ -54,6 +54,7 @@ class Router:
         self.held: dict[str, set[object]] = {}
         self.gpu_payload: dict[object, tuple[object, tuple[int, ...]]] = {}
         self.described: dict[str, int] = {}  # medium -> hashes stored with their tokens
+        self.described_hashes: dict[str, set[object]] = {}
 
     def apply(self, events: list[KVEvent]) -> None:
         for ev in events:
@@ -79,6 +80,7 @@ class Router:
             return
         medium = str(ev.medium)
         self.described[medium] = self.described.get(medium, 0) + len(ev.block_hashes)
+        self.described_hashes.setdefault(medium, set()).update(ev.block_hashes)
         assert len(ev.token_ids) == ev.block_size * len(ev.block_hashes)
         parent = ev.parent_block_hash
         for i, h in enumerate(ev.block_hashes):
@@ -177,7 +179,7 @@ def test_run_flags_reach_the_engine_config(argv: list[str], mode: str, described
 
 
 def test_unknown_events_mode_is_one_line() -> None:
-    with pytest.raises(ValueError, match="EngineConfig.events_mode: unknown KV events mode"):
+    with pytest.raises(ValueError, match=r"EngineConfig\.events_mode: unknown KV events mode"):
         EngineConfig(events_mode="copies")
 
 
@@ -205,4 +207,5 @@ def test_restart_on_the_same_disk_announces_then_describes_what_it_holds(
         _run(engine, published, router)
     finally:
         engine.close()
-    assert router.described.get("DISK"), "no disk block re-announced with its tokens"
+    again = on_disk & router.described_hashes.get("DISK", set())
+    assert again, "no block of the earlier run re-announced with its tokens"
