@@ -60,3 +60,18 @@ def test_mooncake_ids_become_shared_token_blocks(tmp_path: Path) -> None:
     # start=None takes the trace's tail.
     tail = mooncake_requests(trace, 2, block_size=4, vocab_size=50)
     assert [r.req_id for r in tail] == ["mc-1"]
+
+
+def test_kv_router_follows_a_prefix_it_just_sent_before_the_indexer_knows_it() -> None:
+    router = KVRouter(block_size=4)
+    loads = [Load(), Load()]
+    first = list(range(16))
+    i = router.pick(len(first), {}, loads, first)
+    router.sent(i, first)
+    loads[i] = Load(requests=1, prefill_tokens=4)  # still computing: not indexed yet
+    # The next turn extends the first: same instance, though the indexer has nothing.
+    follow = first + [99] * 8
+    assert router.pick(len(follow), {}, loads, follow) == i
+    # An unrelated prompt goes to the idle instance.
+    other = list(range(100, 124))
+    assert router.pick(len(other), {}, loads, other) == 1 - i

@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
                                 name,
                                 requests,
                                 processes[:n],
-                                make_router(router_name, seed=args.seed),
+                                make_router(router_name, args.seed, args.block_size),
                                 base,
                                 indexer,
                                 redis_url,

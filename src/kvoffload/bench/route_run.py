@@ -131,7 +131,8 @@ def _dispatch(
             req = pending.popleft()
             answer = indexer.query(req.token_ids, model)
             overlaps = {index_of[k]: v for k, v in answer.items() if k in index_of}
-            choice = router.pick(len(req.token_ids), overlaps, loads)
+            choice = router.pick(len(req.token_ids), overlaps, loads, req.token_ids)
+            router.sent(choice, req.token_ids)
             mine = overlaps.get(choice, TierOverlap())
             best = max((o.longest_matched for o in overlaps.values()), default=0)
             if best > 0:
