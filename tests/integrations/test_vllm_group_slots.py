@@ -218,3 +218,27 @@ def test_kvoffload_connector_refuses_such_a_model_at_start_up_in_one_line(tmp_pa
         with pytest.raises(KVOffloadConfigError, match="CrossAttentionSpec") as info:
             KVOffloadConnector(cfg, role, cross_attention_config())
         assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kind", "connector", "want"),
+    [
+        ("chunked_local", "kvoffload", [("full_attention", None), ("chunked_local", 64)]),
+        ("mamba_align", "kvoffload", [("full_attention", None)] + [("mamba", None)] * 3),
+        # vLLM's stock connector tells the spec only the windows (in chunks of 16 tokens).
+        ("chunked_local", "stock", [("full_attention", None), ("sliding_window", 64)]),
+    ],
+)
+def test_the_cpu_tiers_policy_knows_each_groups_kind_and_window(
+    tmp_path: Path, kind: str, connector: str, want: list
+) -> None:
+    extra: dict[str, Any] = {"cpu_bytes": "1MiB"}
+    conn = CONNECTOR
+    if connector == "stock":
+        conn = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+        extra.update(spec_name="KVOffloadSpec", spec_module_path="kvoffload.integrations.vllm")
+    rig = GroupsRig.build(tmp_path, layer_specs(KINDS[kind]()), extra, conn, instant=True)
+    layout = rig.scheduler.connector.connector_scheduler.manager.cpu.group_layout
+    assert [(g.kind, g.sliding_window) for g in layout] == want
+    assert {g.tokens_per_chunk for g in layout} == {16}
+    rig.shutdown()

@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvoffload.integrations.vllm.compat import manager_lock
-from kvoffload.integrations.vllm.group_kinds import check_offloadable
+from kvoffload.integrations.vllm.group_kinds import announce_groups, check_offloadable
 from kvoffload.integrations.vllm.manager import (
     KVOffloadManager,
     RequestHints,
@@ -97,6 +97,8 @@ class KVOffloadConnector(OffloadingConnector):
         select_spec(extra)
         # vLLM's offloading refuses these layouts deep in its start-up: one line instead.
         check_offloadable(kv_cache_config)
+        # The groups' kinds for the spec vLLM builds next (it sees only their windows).
+        announce_groups(transfer.engine_id, kv_cache_config)
         # Before vLLM reads it (0.33's scheduler config takes it at construction).
         # Not by default under async scheduling: there vLLM 0.33 never releases
         # the output placeholder of a request whose synchronous load failed, and

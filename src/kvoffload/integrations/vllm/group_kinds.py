@@ -13,6 +13,7 @@ configurations first, with one line naming the group and its kind.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kvoffload.integrations.vllm.settings import KVOffloadConfigError
@@ -95,3 +96,79 @@ def check_offloadable(kv_cache_config: Any) -> None:
     why = unsupported_group(kv_cache_config)
     if why is not None:
         raise KVOffloadConfigError(f"kvoffload cannot offload this model: {why}")
+
+
+# -- what the CPU tier's policy is told of each group ------------------------------------
+#
+# vLLM hands an OffloadingSpec only its offloading config (no layer specs): the
+# window of a group is there (0.33: ``sliding_window_size_in_chunks``), its kind
+# is not. KVOffloadConnector, which sees vLLM's KV cache config, announces the
+# exact kinds under the engine id just before vLLM builds the spec; behind vLLM's
+# stock connector the spec infers them from the windows.
+
+_ANNOUNCED: dict[str, tuple[tuple[int, str, int | None], ...]] = {}
+
+
+def describe_groups(kv_cache_config: Any) -> tuple[tuple[int, str, int | None], ...]:
+    """(group id, kind, window in tokens or None) of each group vLLM offloads."""
+    out = []
+    for group_id in offloaded_group_ids(kv_cache_config):
+        group = kv_cache_config.kv_cache_groups[group_id]
+        spec = _layer_specs(group.kv_cache_spec)[0]
+        kind = group_kind(spec, bool(getattr(group, "is_eagle_group", False)))
+        window = getattr(spec, "sliding_window", None) or getattr(
+            spec, "attention_chunk_size", None
+        )
+        out.append((group_id, kind, int(window) if window else None))
+    return tuple(out)
+
+
+def announce_groups(engine_id: str | None, kv_cache_config: Any) -> None:
+    """Record the groups' kinds for the spec vLLM is about to build for ``engine_id``."""
+    if engine_id is not None:
+        _ANNOUNCED[engine_id] = describe_groups(kv_cache_config)
+
+
+def take_announced_groups(engine_id: str | None) -> tuple[tuple[int, str, int | None], ...] | None:
+    return _ANNOUNCED.pop(engine_id, None) if engine_id is not None else None
+
+
+def group_layouts(
+    config: Any,
+    described: Sequence[tuple[int, str, int | None]] | None,
+    slot_bytes: Sequence[int],
+) -> list[Any]:
+    """kvoffload's ``GroupLayout`` per group id (the chunk-unit policy's view of the groups).
+
+    ``slot_bytes[pos]``: bytes of one key of the group at ``pos`` in ``config.groups``.
+    Ids vLLM does not offload get the default (full attention); they hold no keys.
+    """
+    from kvoffload.offload.chunk_units import (
+        CHUNKED_LOCAL,
+        FULL_ATTENTION,
+        MAMBA,
+        SLIDING_WINDOW,
+        GroupLayout,
+    )
+
+    kinds = {gid: (kind, window) for gid, kind, window in (described or ())}
+    bpc = int(config.cache.blocks_per_chunk)
+    size = max((g.group_id for g in config.groups), default=-1) + 1
+    out = [GroupLayout() for _ in range(size)]
+    for pos, g in enumerate(config.groups):
+        per_chunk = int(g.tokens_per_block) * bpc
+        kind, window = kinds.get(g.group_id, (None, None))
+        if kind is None:  # behind vLLM's stock connector: the window is all it says
+            chunks = getattr(g, "sliding_window_size_in_chunks", None)
+            kind = "full_attention" if chunks is None else "sliding_window"
+            window = None if chunks is None else chunks * per_chunk
+        if kind in ("sliding_window", "mla_sliding_window") and window:
+            mapped, win = SLIDING_WINDOW, window
+        elif kind == "chunked_local" and window:
+            mapped, win = CHUNKED_LOCAL, window
+        elif kind.startswith("mamba"):
+            mapped, win = MAMBA, None
+        else:
+            mapped, win = FULL_ATTENTION, None
+        out[g.group_id] = GroupLayout(mapped, win, per_chunk, int(slot_bytes[pos]))
+    return out

@@ -36,6 +36,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvoffload.integrations.vllm.class_managers import ClassedCPUManager
+from kvoffload.integrations.vllm.group_kinds import group_layouts, take_announced_groups
 from kvoffload.integrations.vllm.group_slots import (
     GroupSlotPlan,
     group_layout_fingerprint,
@@ -156,6 +157,8 @@ class KVOffloadSpec(OffloadingSpec):
         #: vLLM's name for the CPU tier's size in chunks (read by vLLM's tiers).
         self.num_chunks = self.num_slots
         self.identity = model_identity(config)
+        #: (group id, kind, window) of each group, when KVOffloadConnector announced them.
+        self.group_descriptions = take_announced_groups(config.engine_id)
         #: vLLM's name for the lower tiers' entries: its tiers label their metrics from it
         #: ("1:KVOffloadDiskTier", as vLLM's own series on the same server).
         self.secondary_tier_configs = secondary_tier_configs(self.settings) if self.tiered else []
@@ -194,8 +197,17 @@ class KVOffloadSpec(OffloadingSpec):
         """kvoffload's CPU tier: one manager, or one per slot class (see ``group_slots``)."""
         plan = self.slot_plan
         if plan is None or plan.single:
+            layout = None
+            if plan is not None and len(self.config.groups) > 1:
+                # One slot space for every group: the chunk-unit policy keeps or drops a
+                # chunk's keys together and drops windowed keys no hit can reach first.
+                per_slot = [plan.slot_bytes(0) * plan.world_size] * len(plan.class_of)
+                layout = group_layouts(self.config, self.group_descriptions, per_slot)
             return CPUOffloadingManager(
-                self.num_slots, self.settings.cache_policy, enable_events=self._events
+                self.num_slots,
+                self.settings.cache_policy,
+                enable_events=self._events,
+                group_layout=layout,
             )
         policy, events = self.settings.cache_policy, self._events
         managers = [
