@@ -19,7 +19,8 @@ way for kvoffload's ``CPUOffloadingManager`` and vLLM's own
 
 Rows: kvoffload's default policy with the group layout (the chunk-unit layer,
 ``kvoffload.offload.chunk_units``), the same policy without it (per key: the
-ablation), and vLLM's ``lru`` and ``arc``, each fed the same key streams. Hit
+ablation), kvoffload's ``lru`` with the layout, and vLLM's ``lru`` and ``arc``,
+each fed the same key streams. Hit
 rates are at equal CPU bytes: every row gets the same number of slots (vLLM
 gives every group's key a slot of one size; so does this tier), printed with
 the bytes per slot per group. Times are the scheduler side only (manager
@@ -48,7 +49,13 @@ from kvoffload.offload.base import make_offload_key
 from kvoffload.offload.chunk_units import FULL_ATTENTION, GroupLayout
 
 MOONCAKE_TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
-ROWS = ("kvoffload:default+units", "kvoffload:default/key", "vllm:lru", "vllm:arc")
+ROWS = (
+    "kvoffload:default+units",
+    "kvoffload:default/key",
+    "kvoffload:lru+units",
+    "vllm:lru",
+    "vllm:arc",
+)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -144,8 +151,10 @@ class _Side:
 
 
 class _Ours(_Side):
-    def __init__(self, slots: int, layout: tuple[GroupLayout, ...] | None) -> None:
-        self.m = CPUOffloadingManager(slots, DEFAULT_CACHE_POLICY, group_layout=layout)
+    def __init__(
+        self, slots: int, layout: tuple[GroupLayout, ...] | None, policy: str = DEFAULT_CACHE_POLICY
+    ) -> None:
+        self.m = CPUOffloadingManager(slots, policy, group_layout=layout)
 
     def prefix(self, keys: Sequence[OffloadKey]) -> int:
         n = self.m.lookup(keys)
@@ -338,6 +347,8 @@ def _side(row: str, slots: int, layout: tuple[GroupLayout, ...]) -> _Side:
         return _Ours(slots, layout)
     if row == "kvoffload:default/key":
         return _Ours(slots, None)
+    if row == "kvoffload:lru+units":
+        return _Ours(slots, layout, "lru")
     if row.startswith("vllm:"):
         return _Vllm(slots, row.split(":", 1)[1])
     raise ValueError(f"unknown row {row!r}")
@@ -466,9 +477,10 @@ def _workloads(
 
 
 def _table(report: dict[str, object]) -> list[str]:
-    lines = []
-    head = f"{'workload':<20} {'cap':>5} {'slots':>7}  " + "  ".join(f"{r:>24}" for r in ROWS)
-    lines.append(head)
+    lines = [
+        f"{'workload':<20} {'cap':>5} {'slots':>7}  " + "  ".join(f"{r:>24}" for r in ROWS),
+        " " * 36 + "  ".join(f"{'hit %  ops/s:lru    us/req':>24}" for _ in ROWS),
+    ]
     for p in report["points"]:  # type: ignore[attr-defined]
         rows = p["rows"]
         cells = []
@@ -508,6 +520,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)  # piped: keep each table row on one line
     with Progress(console=console, transient=True) as bar:
         task = bar.add_task("replaying", total=len(work) * len(fractions) * len(rows))
 
