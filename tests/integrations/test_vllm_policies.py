@@ -101,7 +101,7 @@ def test_every_policy_has_a_class_the_factory_loads() -> None:
         assert issubclass(cls, CachePolicy) and cls.policy == policy  # type: ignore[attr-defined]
         assert getattr(kv_vllm, name) is cls
     assert kv_vllm.KVOffloadPolicy.policy == DEFAULT_CACHE_POLICY
-    assert policy_class_name("chain_duel") == "KVOffloadChainDuelPolicy"
+    assert policy_class_name("chain_arms") == "KVOffloadChainArmsPolicy"
     assert policy_class_name("lru") == "KVOffloadLRUPolicy"
 
 
@@ -136,7 +136,7 @@ def test_vllm_specs_load_the_policy_by_name(tmp_path: Path, spec: dict[str, Any]
     extra = {
         **spec,
         "cpu_bytes_to_use": 1 << 20,
-        "eviction_policy": "KVOffloadChainDuelPolicy",
+        "eviction_policy": "KVOffloadChainArmsPolicy",
         "cache_policy_module_path": MODULE,
     }
     config = vllm_config(write_tiny_llama(tmp_path / "m"), 12, extra, connector=STOCK)
@@ -147,8 +147,8 @@ def test_vllm_specs_load_the_policy_by_name(tmp_path: Path, spec: dict[str, Any]
     manager = connector.connector_scheduler.manager
     cpu = getattr(manager, "primary_tier", manager)  # the tiering manager's CPU tier
     policy = cpu._policy
-    assert type(policy).__name__ == "KVOffloadChainDuelPolicy"
-    assert policy.inner.name == "chain_duel"
+    assert type(policy).__name__ == "KVOffloadChainArmsPolicy"
+    assert policy.inner.name == "chain_arms"
     connector.shutdown()
 
 
