@@ -13,6 +13,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from kvoffload.cli import argtypes
 from kvoffload.engine.config import KV_LAYOUTS, STORE_MODES, EngineConfig
+from kvoffload.offload.policies import policy_menu
 
 # Kept for callers that import them from here; the checks live in argtypes.
 positive_int = argtypes.positive_int()
@@ -96,18 +97,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--policy",
         dest="cache_policy",
         default=None,
-        help="CPU-tier cache policy (default: queue_arms: blocks that queued requests need "
-        "are kept, the one needed farthest ahead goes first, in front of a duel of sampled "
-        "shadow tiers among chain-aware LRU admitting all, second sightings or a bimodal "
-        "trickle against loops, and ARC; it leaves 'admit all' early where the tier's first "
-        "sightings are evicted unread. On `kvoffload bench offload`, Mooncake synthetic "
-        "trace, 1-25%% tiers: with no hints at or above vLLM's lru, arc and "
-        "store_threshold=2 everywhere; a 5 s queue closes 19%% of the gap to Belady at "
-        "1-10%%, a 30 s one 58%%; with a queue a loop is served as Belady serves it, "
-        "without one a loop twice the tier keeps 97-99%% of Belady's hits (vLLM's: none). "
-        "A 1,000-request slice of the real arxiv trace, no hints: above vLLM's best at "
-        "every size. Where it trails (generated agent, RAG and loop traces at some sizes; "
-        "the real conversation trace at 1%%): README, Cache policy)",
+        help="CPU-tier cache policy: "
+        + "; ".join(policy_menu().replace("%", "%%").splitlines())
+        + ". Figures per trace family against vLLM's own policies: README, Cache policy "
+        "(kvoffload bench offload --suite)",
     )
     o.add_argument(
         "--disk-dir",
