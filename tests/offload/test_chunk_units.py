@@ -251,3 +251,15 @@ def test_every_policy_runs_under_the_unit_layer(policy: str) -> None:
         m.touch(chain(range(base, base + 2)))
         m.hint_dequeued("r")
     assert len(m.policy) == m.num_stored_blocks() <= 12
+
+
+def test_a_queued_request_keeps_the_window_its_hit_needs() -> None:
+    """A queued request shares chunks 0-3 of a stored prompt: its hit needs chunks 1-3's window."""
+    m = CPUOffloadingManager(16, "lru", group_layout=HYBRID)
+    store(m, chain(range(8)))
+    m.hint_queued("r", [key(i, 0) for i in [0, 1, 2, 3, 60, 61]] + [key(i, 1) for i in [0, 1]])
+    units = m.policy
+    assert isinstance(units, ChunkUnitPolicy)
+    assert units.dead_keys() == [key(0, 1), key(4, 1)]
+    victims = store(m, chain(range(100, 101)))
+    assert victims == [key(0, 1), key(4, 1)]

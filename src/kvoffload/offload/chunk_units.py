@@ -481,7 +481,28 @@ class ChunkUnitPolicy(CachePolicy):
         return [OffloadKey(u) for u in dict.fromkeys(k[:-_SUFFIX] for k in keys)]
 
     def hint_queued(self, request_id: str, keys: Sequence[OffloadKey]) -> None:
+        """The inner policy protects the request's chunks; its hit boundary keeps its window.
+
+        The request will hit where its chain stops being stored: the windowed
+        keys before that point are what its hit needs, dead or not.
+        """
+        if self._reach:
+            self._mark_queued_boundary(keys)
         self.inner.hint_queued(request_id, self._units(keys))
+
+    def _mark_queued_boundary(self, keys: Sequence[OffloadKey]) -> None:
+        link, stored = self._link_suffixes, self._stored
+        last: OffloadKey | None = None
+        for key in keys:
+            if link is not None and key[-_SUFFIX:] not in link:
+                continue
+            if key not in stored:
+                break
+            last = key
+        if last is not None:
+            unit = last[:-_SUFFIX]
+            self._boundary.add(unit)
+            self._mark_back(unit, self._max_reach)
 
     def hint_dequeued(self, request_id: str) -> None:
         self.inner.hint_dequeued(request_id)
