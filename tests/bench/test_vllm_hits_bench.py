@@ -81,7 +81,11 @@ def _engine(name: str, ttft: dict[str, float], tokens: list[int] | None = None) 
     return {
         "name": name,
         "phases": [
-            {"name": phase, "requests": [{"ttft_s": t / 1e3, "tokens": tokens or [1, 2]}]}
+            {
+                "name": phase,
+                "requests": [{"ttft_s": t / 1e3, "tokens": tokens or [1, 2]}],
+                "counters": {"prompt_tokens": 100, "prefix_cache_hits": 64},
+            }
             for phase, t in ttft.items()
         ],
         "hit_profile": PROFILE,
@@ -104,6 +108,7 @@ def test_summarize_ratios_gap_and_outputs() -> None:
     assert rows["miss"]["gap_closed"] == 0.0
     assert rows["suffix alone"]["ttft_mean_ms"] == 15.0
     assert rows["kvoffload hit"]["profile"]["hits"] == 2
+    assert rows["device hit"]["device_cached_tokens"] == 64
     assert s["identical_outputs"] == {
         "miss": 1,
         "kvoffload hit": 1,

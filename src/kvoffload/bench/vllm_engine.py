@@ -92,15 +92,17 @@ def run_engines(
     engines: Sequence[dict[str, Any]],
     timeout_s: float = 900.0,
     on_progress: Callable[[int], None] | None = None,
+    interleave: bool = False,
 ) -> dict[str, Any]:
     """Run ``engines`` (runner specs) in one engine subprocess; the runner's JSON result.
 
     ``on_progress(n)`` is called as the runner reports ``n`` more work units
-    done (see ``work_units``).
+    done (see ``work_units``). ``interleave``: all engines up at once, taking
+    turns request by request (``vllm_runner.run_interleaved``).
     """
     with tempfile.TemporaryDirectory(prefix="kvoffload-vllm-") as tmp:
         job, out, log = Path(tmp, "job.json"), Path(tmp, "out.json"), Path(tmp, "log.txt")
-        job.write_text(json.dumps({"engines": list(engines)}))
+        job.write_text(json.dumps({"engines": list(engines), "interleave": interleave}))
         cmd = [str(python), "-m", "kvoffload.bench.vllm_runner", str(job), str(out)]
         rc: int | None = None
         with (

@@ -1,7 +1,8 @@
 """``kvoffload bench vllm --hits``: how close a CPU-tier hit comes to a device hit (issue 31).
 
-One engine subprocess serves the same prompts under five set-ups, each its
-own engine, one after another (``vllm_runner``): 8 prefixes of 1,024-1,984
+One engine subprocess serves the same prompts under five set-ups on four
+engines, all up at once and taking turns request by request so that every
+row sees the same machine load (``vllm_runner.run_interleaved``): 8 prefixes of 1,024-1,984
 tokens, each followed by a 24-token suffix, visited round-robin, one request
 at a time, greedy. Rows (TTFT of the revisits unless said):
 
@@ -136,11 +137,10 @@ def profile_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         return 1e3 * sum(r[key] for r in rows) / per if rows else 0.0
 
     load_bytes = sum(r["bytes"] for r in done)
-    load_s = sum(r["seconds"] for r in done)
-    bulk_bytes = sum(r["bytes"] for r in bulk)
-    bulk_s = sum(r["seconds"] for r in bulk)
-    load_gbps = load_bytes / load_s / 1e9 if load_s else 0.0
-    bulk_gbps = bulk_bytes / bulk_s / 1e9 if bulk_s else 0.0
+    # Medians of per-copy rates: one descheduled copy on a shared host would
+    # otherwise weigh as much as all the others together.
+    load_gbps = _median_rate(done)
+    bulk_gbps = _median_rate(bulk)
     return {
         "hits": len(hits),
         "sync_hits": sum(1 for h in hits if h["sync"]),
@@ -163,6 +163,11 @@ def profile_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _median_rate(rows: list[dict[str, Any]]) -> float:
+    rates = [r["bytes"] / r["seconds"] / 1e9 for r in rows if r["seconds"] > 0]
+    return statistics.median(rates) if rates else 0.0
+
+
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
     """The table's rows from the runner's result."""
     engines = {e["name"]: e for e in result["engines"]}
@@ -176,9 +181,15 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         ("suffix alone", "miss", ["suffix"]),
     ):
         ttft = _ttfts(engines[name], phases)
+        counted = [p["counters"] for p in engines[name]["phases"] if p["name"] in phases]
         rows[label] = {
             "ttft_p50_ms": statistics.median(ttft),
             "ttft_mean_ms": statistics.fmean(ttft),
+            "prompt_tokens": int(sum(c.get("prompt_tokens", 0) for c in counted)),
+            "device_cached_tokens": int(sum(c.get("prefix_cache_hits", 0) for c in counted)),
+            "kvoffload_cached_tokens": int(
+                sum(c.get("external_prefix_cache_hits", 0) for c in counted)
+            ),
         }
     device = rows["device hit"]["ttft_mean_ms"]
     miss = rows["miss"]["ttft_mean_ms"]
@@ -218,7 +229,9 @@ def bench_model(
     kv_bytes_per_token = layers * 2 * max(1, hidden // 64) * 32 * 4  # K and V, float32
     with tempfile.TemporaryDirectory(prefix="kvoffload-hits-") as tmp:
         engines = engine_specs(str(model), rounds, kv_bytes_per_token, Path(tmp))
-        result = run_engines(python, engines, timeout_s=1800, on_progress=on_progress)
+        result = run_engines(
+            python, engines, timeout_s=1800, on_progress=on_progress, interleave=True
+        )
     summary = summarize(result)
     summary.update(vllm_version=result["vllm_version"], layers=layers, hidden=hidden)
     return summary
@@ -293,6 +306,7 @@ def print_report(report: dict[str, Any], breakdown: bool) -> None:
         "mean ms",
         "x device hit",
         "gap closed",
+        "cached dev/kvo",
         "steps waited",
         "load MB",
         "load GB/s",
@@ -317,6 +331,7 @@ def print_report(report: dict[str, Any], breakdown: bool) -> None:
             f"{row['ttft_mean_ms']:.1f}",
             f"{row['x_device_hit']:.2f}x",
             f"{100 * row['gap_closed']:.1f}%",
+            f"{row['device_cached_tokens']}/{row['kvoffload_cached_tokens']}",
             *extra,
         )
     console.print(t)

@@ -175,26 +175,99 @@ def _engine_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
-    """Start one engine, serve its phases, shut it down; the engine's result."""
-    from vllm import LLM, SamplingParams
+def start_engine(spec: dict[str, Any]) -> Any:
+    """An ``LLM`` for ``spec``, started with ``spec["env"]`` in the environment."""
+    from vllm import LLM
 
-    t0 = time.perf_counter()
-    collector = None
-    events = spec.get("kv_events")
     # The engine core process inherits these (e.g. the hit profile's output path);
     # they are put back once the engine is up, so the next engine does not see them.
     env = spec.get("env") or {}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        llm = LLM(**_engine_kwargs(spec))
+        return LLM(**_engine_kwargs(spec))
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def run_interleaved(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """All engines up at once, serving request i of a phase on each engine in turn.
+
+    Serial phases only. An engine serves only the phases it names; phases run
+    in the order they first appear. Taking turns request by request puts every
+    engine under the same machine load, so their TTFTs compare on a shared
+    host (run one after another, they drift with the neighbours).
+    """
+    from vllm import SamplingParams
+
+    live: list[tuple[dict[str, Any], Any, float]] = []
+    try:
+        for spec in specs:
+            t0 = time.perf_counter()
+            llm = start_engine(spec)
+            live.append((spec, llm, time.perf_counter() - t0))
+            progress(engine=spec.get("name", ""), event="started", init_s=live[-1][2])
+        order = list(dict.fromkeys(ph["name"] for spec in specs for ph in spec["phases"]))
+        served: dict[tuple[int, str], list[dict[str, Any]]] = {}
+        counters: dict[tuple[int, str], dict[str, float]] = {}
+        for name in order:
+            todo = [
+                (e, ph)
+                for e, (spec, _, _) in enumerate(live)
+                for ph in spec["phases"]
+                if ph["name"] == name
+            ]
+            for i in range(max(len(ph["prompts"]) for _, ph in todo)):
+                for e, ph in todo:
+                    if i >= len(ph["prompts"]):
+                        continue
+                    llm = live[e][1]
+                    sampling = SamplingParams(
+                        max_tokens=ph.get("max_tokens", 8), temperature=0.0, ignore_eos=True
+                    )
+                    before = _counters(llm)
+                    got = _serve(llm.llm_engine, sampling, [ph["prompts"][i]], f"{name}r{i}")
+                    after = _counters(llm)
+                    served.setdefault((e, name), []).extend(got)
+                    total = counters.setdefault((e, name), dict.fromkeys(COUNTERS, 0.0))
+                    for k in COUNTERS:
+                        total[k] += after[k] - before[k]
+                    progress(engine=live[e][0].get("name", ""), event="requests", n=1)
+    finally:
+        for _, llm, _ in live:
+            llm.llm_engine.engine_core.shutdown()
+        gc.collect()
+    results = []
+    for e, (spec, _, init_s) in enumerate(live):
+        result: dict[str, Any] = {"name": spec.get("name", ""), "init_s": init_s}
+        result["phases"] = [
+            {
+                "name": ph["name"],
+                "requests": served.get((e, ph["name"]), []),
+                "wall_s": sum(r["ttft_s"] for r in served.get((e, ph["name"]), [])),
+                "counters": counters.get((e, ph["name"]), dict.fromkeys(COUNTERS, 0.0)),
+            }
+            for ph in spec["phases"]
+        ]
+        profile = (spec.get("env") or {}).get("KVOFFLOAD_HIT_PROFILE")
+        if profile:
+            result["hit_profile"] = read_profile(profile)
+        results.append(result)
+    return results
+
+
+def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
+    """Start one engine, serve its phases, shut it down; the engine's result."""
+    from vllm import SamplingParams
+
+    t0 = time.perf_counter()
+    collector = None
+    events = spec.get("kv_events")
+    llm = start_engine(spec)
     if events:
         collector = _EventCollector(
             events["endpoint"].replace("*", "127.0.0.1"),
@@ -259,7 +332,10 @@ def read_profile(base: str) -> list[dict[str, Any]]:
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
     import vllm
 
-    engines = [run_engine(spec) for spec in job["engines"]]
+    if job.get("interleave"):
+        engines = run_interleaved(job["engines"])
+    else:
+        engines = [run_engine(spec) for spec in job["engines"]]
     return {"vllm_version": str(vllm.__version__), "engines": engines}
 
 
