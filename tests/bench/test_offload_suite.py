@@ -8,11 +8,12 @@ family, the leave-one-family-out choice, variants put back after use, the CLI.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from kvoffload.bench import offload_suite as suite
-from kvoffload.bench import offload_vllm
+from kvoffload.bench import offload_suite_cache, offload_vllm
 from kvoffload.bench.offload import Trace
 from kvoffload.cli.main import main
 from kvoffload.offload import DEFAULT_CACHE_POLICY
@@ -73,7 +74,7 @@ def test_the_suite_holds_every_family_at_each_seed() -> None:
 
 
 def fake_vllm(trace: Trace, capacity: int) -> dict[str, float]:
-    return {"vllm:lru": 0.05, "vllm:arc": 0.06}
+    return {"vllm:lru": 0.05, "vllm:arc": 0.06, "vllm:lru+store_threshold=2": 0.04}
 
 
 def tiny_traces() -> list[suite.SuiteTrace]:
@@ -127,6 +128,9 @@ def test_without_vllm_the_suite_says_why(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def small_suite(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    monkeypatch.setenv(offload_suite_cache.CACHE_ENV, tempfile.mkdtemp() + "/rows.json")
     monkeypatch.setitem(suite.SIZES, "quick", suite.SuiteSize(60, (1,)))
     monkeypatch.setattr(offload_vllm, "unavailable", lambda: None)
     monkeypatch.setattr(suite, "vllm_hit_rates", fake_vllm)
@@ -170,3 +174,56 @@ def write_trace(monkeypatch: pytest.MonkeyPatch) -> str:
     path = tempfile.mkdtemp() + "/t.jsonl"
     save_trace(generate("chat", 60, 9), path)
     return path
+
+
+def test_vllm_rows_come_from_the_cache_file_when_every_part_of_the_key_matches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+
+    def compute(trace: Trace, capacity: int) -> dict[str, float]:
+        calls.append(capacity)
+        return {row: capacity / 100 for row in offload_vllm.ROWS}
+
+    path = tmp_path / "c" / "rows.json"
+    (a, b) = (t.keys for t in tiny_traces())
+    cache = offload_suite_cache.VllmRowCache(path, compute)
+    assert cache.rows(a, 5) == cache.rows(a, 5)  # the second from memory
+    cache.rows(b, 5)
+    cache.save()
+    again = offload_suite_cache.VllmRowCache(path, compute)
+    assert again.rows(a, 5)["vllm:lru"] == 0.05 and again.rows(b, 5)
+    assert calls == [5, 5] and (again.hits, again.misses) == (2, 0)
+    again.rows(a, 6)  # another size: a miss
+    assert calls == [5, 5, 6]
+    # Another vLLM version (or row set, or replay) never reuses an entry.
+    monkeypatch.setattr(offload_suite_cache, "_vllm_version", lambda: "0.0.1")
+    assert offload_suite_cache.VllmRowCache(path, compute).rows(a, 5)
+    assert calls == [5, 5, 6, 5]
+
+
+def test_an_unreadable_cache_file_is_a_clean_miss(tmp_path: Path) -> None:
+    path = tmp_path / "rows.json"
+    path.write_text("{not json")
+    cache = offload_suite_cache.VllmRowCache(path, fake_vllm)
+    assert cache.rows(tiny_traces()[0].keys, 5) == fake_vllm([], 5)
+    assert cache.misses == 1
+    cache.save()
+    assert json.loads(path.read_text())["entries"]
+
+
+def test_the_cli_reads_vllm_rows_from_the_cache_on_a_second_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    small_suite(monkeypatch)
+    monkeypatch.setattr(suite, "default_trace_files", lambda: [])
+    args = ["bench", "offload", "--suite", "--policies", "lru", "--json"]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert first["vllm_rows_cached"] == 0
+    assert second["vllm_rows_cached"] == len(second["points"])
+    assert second["points"] == first["points"]
+    assert main([*args, "--no-vllm-cache"]) == 0
+    assert json.loads(capsys.readouterr().out)["vllm_rows_cached"] == 0

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvoffload.bench import offload_suite as suite
+from kvoffload.bench import offload_suite_cache, offload_vllm
 from kvoffload.offload import policy_names
 
 
@@ -101,6 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{suite.SHARED_TRACE} from ${suite.TRACE_DIR_ENV} or ../shared/traces, where found)",
     )
     parser.add_argument(
+        "--no-vllm-cache",
+        action="store_true",
+        help="--suite: replay vLLM's rows again instead of reading them from the cache file "
+        f"(${offload_suite_cache.CACHE_ENV}, else ~/.cache/kvoffload/suite_vllm_rows.json; "
+        "keyed by trace, size, row and vLLM version)",
+    )
+    parser.add_argument(
         "--vary",
         action="append",
         default=[],
@@ -124,10 +132,23 @@ def run(args: argparse.Namespace) -> int:
     traces = suite.suite_traces(args.suite_size, files)
     candidates = [*policies, *(v.name for v in variants)]
     look = args.lookahead_s
+    why = offload_vllm.unavailable()
+    if why is not None:
+        raise RuntimeError(f"the suite judges against vLLM's own policies: {why}")
+    cache = None
+    if not args.no_vllm_cache:
+        cache = offload_suite_cache.VllmRowCache(
+            offload_suite_cache.default_path(), suite.vllm_hit_rates
+        )
+    rows = cache.rows if cache is not None else suite.vllm_hit_rates
     if args.json:
-        points = suite.run_suite(traces, policies, variants, look)
+        points = suite.run_suite(traces, policies, variants, look, None, rows)
+        warning = _save(cache)
         report = suite.report_json(points, candidates, look, args.suite_size)
         report["trace_files"] = [str(f) for f in files]
+        report["vllm_rows_cached"] = cache.hits if cache is not None else 0
+        if warning:
+            report["warning"] = warning
         print(json.dumps(report))
         return 0
     from rich.progress import Progress
@@ -141,12 +162,32 @@ def run(args: argparse.Namespace) -> int:
         def progress(what: str) -> None:
             bar.update(task, advance=1, description=what)
 
-        points = suite.run_suite(traces, policies, variants, look, progress)
+        points = suite.run_suite(traces, policies, variants, look, progress, rows)
+    warning = _save(cache)
+    if warning:
+        console.print(warning)
+    cached = (
+        f"; vLLM's rows cached at {cache.hits} of {cache.hits + cache.misses} points"
+        if cache
+        else ""
+    )
     console.print(
         f"suite {args.suite_size}, lookahead {look:g} s; real traces: "
         + (", ".join(str(f) for f in files) or "none found")
+        + cached
     )
     console.print(trace_table(points, candidates))
     console.print(family_table(points, candidates))
     console.print(held_out_table(points, candidates))
     return 0
+
+
+def _save(cache: offload_suite_cache.VllmRowCache | None) -> str | None:
+    """Write the cache; a failure is one line of warning (it costs only the next run's time)."""
+    if cache is None:
+        return None
+    try:
+        cache.save()
+    except OSError as exc:
+        return f"warning: vLLM rows not cached ({cache.path}: {exc.strerror or exc})"
+    return None
