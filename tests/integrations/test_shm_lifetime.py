@@ -15,6 +15,7 @@ from tests.vllm_required import need_vllm
 need_vllm()
 
 import contextlib  # noqa: E402
+import glob  # noqa: E402
 import logging  # noqa: E402
 import multiprocessing  # noqa: E402
 import os  # noqa: E402
@@ -132,6 +133,25 @@ def test_vllms_own_regions_are_never_swept(engine_id: str) -> None:
     Path(path).write_bytes(b"\0" * (CHUNKS * ROW))
     sweep_stale_regions()
     assert os.path.exists(path)
+
+
+def test_without_o_tmpfile_a_scratch_name_is_used_and_never_left(
+    engine_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(shm_lifetime, "_USE_TMPFILE", False)
+    w0 = _open(engine_id, 0)
+    assert glob.glob(region_path(engine_id) + ".*") == []
+    w1, sched = _open(engine_id, 1), _open(engine_id, None)
+    assert not os.path.exists(region_path(engine_id))
+    for region in (w0, w1, sched):
+        region.cleanup()
+
+
+def test_a_scratch_file_of_a_killed_process_is_swept(engine_id: str) -> None:
+    scratch = f"{region_path(engine_id)}.4242.0badf00d{shm_lifetime.MAKING}"
+    Path(scratch).write_bytes(b"\0" * PAGE)  # killed before writing its header, unlocked
+    assert sweep_stale_regions() >= 1
+    assert not os.path.exists(scratch)
 
 
 # -- across processes, with SIGKILL --------------------------------------------------

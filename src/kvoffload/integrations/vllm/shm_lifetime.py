@@ -21,6 +21,8 @@ The protocol (``open_shared_region``):
    and only then links the name in; a racing peer's link fails with EEXIST
    and it joins instead. There is no instant at which the name exists
    unlocked, so a peer never mistakes a starting engine's file for a stale one.
+   (Without ``O_TMPFILE`` or ``/proc``, a locked scratch file is hard-linked
+   to the name instead; a scratch file left by a killed process is swept.)
    vLLM's ``SharedOffloadRegion`` then finds the file and maps it as a joiner
    (it never becomes the file's "creator", so it never unlinks it itself).
 3. **Arrive**: after mapping, each process sets its byte in the header (role
@@ -54,6 +56,7 @@ import glob
 import logging
 import mmap
 import os
+import secrets
 import struct
 from typing import Any
 
@@ -76,6 +79,22 @@ HEADER_BYTES = mmap.PAGESIZE
 MAX_ROLES = HEADER_BYTES - _MARKS_AT
 
 _swept = False
+#: Whether to make regions unnamed (``O_TMPFILE``); off, or unsupported: a scratch name.
+_USE_TMPFILE = True
+#: What ``O_TMPFILE`` / ``linkat`` through ``/proc`` fail with where they are not available.
+_NO_TMPFILE = frozenset(
+    {
+        errno.EOPNOTSUPP,
+        errno.EISDIR,
+        errno.EINVAL,
+        errno.ENOENT,
+        errno.EXDEV,
+        errno.EPERM,
+        errno.EACCES,
+    }
+)
+#: The suffix of a scratch file (``_publish_via_scratch``).
+MAKING = ".making"
 
 
 class SharedRegionError(RuntimeError):
@@ -168,7 +187,9 @@ def sweep_stale_regions(skip: str | None = None) -> int:
     no lock, so "unlocked" says nothing about them). Returns how many went.
     """
     removed = 0
-    for path in glob.glob(os.path.join(SHM_DIR, f"{PREFIX}*.mmap")):
+    regions = glob.glob(os.path.join(SHM_DIR, f"{PREFIX}*.mmap"))
+    scratch = glob.glob(os.path.join(SHM_DIR, f"{PREFIX}*.mmap.*{MAKING}"))
+    for path in regions + scratch:
         if path == skip:
             continue
         try:
@@ -176,7 +197,9 @@ def sweep_stale_regions(skip: str | None = None) -> int:
         except OSError:
             continue  # gone meanwhile, another user's, or a link
         try:
-            if _read_header(fd) is not None and _try_exclusive(fd):
+            # A scratch name is only ever kvoffload's: no header needed (it may die first).
+            ours = path.endswith(MAKING) or _read_header(fd) is not None
+            if ours and _try_exclusive(fd):
                 removed += _remove_stale(fd, path, "an engine that is gone")
         except OSError:
             pass
@@ -308,13 +331,37 @@ class RegionLease:
 
 def _publish(path: str, region_bytes: int, expected: int) -> int | None:
     """A new region file at ``path``, already locked; None when a peer's took the name."""
-    directory = os.path.dirname(path)
     _check_free_space(region_bytes + HEADER_BYTES)
+    try:
+        if _USE_TMPFILE:
+            try:
+                return _publish_unnamed(path, region_bytes, expected)
+            except OSError as exc:
+                if exc.errno not in _NO_TMPFILE:
+                    raise
+        return _publish_via_scratch(path, region_bytes, expected)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise SharedRegionError(
+                f"kvoffload: no room for the CPU tier's {format_bytes(region_bytes)} in "
+                f"{os.path.dirname(path)}: {exc.strerror}"
+            ) from None
+        raise
+
+
+def _prepare(fd: int, region_bytes: int, expected: int) -> None:
+    """Size a new file, write its header page after the rows, and take its shared lock."""
+    os.ftruncate(fd, region_bytes + HEADER_BYTES)
+    os.pwrite(fd, _HEADER.pack(MAGIC, expected, region_bytes), region_bytes)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+
+
+def _publish_unnamed(path: str, region_bytes: int, expected: int) -> int | None:
+    """``O_TMPFILE``, then ``linkat`` through ``/proc``: the name never exists unlocked."""
+    directory = os.path.dirname(path)
     fd = os.open(directory, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
     try:
-        os.ftruncate(fd, region_bytes + HEADER_BYTES)
-        os.pwrite(fd, _HEADER.pack(MAGIC, expected, region_bytes), region_bytes)
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        _prepare(fd, region_bytes, expected)
         dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             os.link(
@@ -329,14 +376,33 @@ def _publish(path: str, region_bytes: int, expected: int) -> int | None:
     except FileExistsError:
         os.close(fd)
         return None
-    except OSError as exc:
+    except BaseException:
         os.close(fd)
-        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-            raise SharedRegionError(
-                f"kvoffload: no room for the CPU tier's {format_bytes(region_bytes)} in "
-                f"{directory}: {exc.strerror}"
-            ) from None
         raise
+    return fd
+
+
+def _publish_via_scratch(path: str, region_bytes: int, expected: int) -> int | None:
+    """Without ``O_TMPFILE`` or ``/proc``: a locked scratch file, hard-linked to ``path``.
+
+    The scratch name (``<path>.<pid>.<random>.making``) lives for microseconds; one
+    left by a process killed in between is unlocked, and the sweep removes it.
+    """
+    scratch = f"{path}.{os.getpid()}.{secrets.token_hex(4)}{MAKING}"
+    fd = os.open(scratch, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    try:
+        _prepare(fd, region_bytes, expected)
+        os.link(scratch, path)
+    except (FileExistsError, FileNotFoundError):
+        # A peer published first, or a sweep took the scratch file before its lock.
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(scratch)
     return fd
 
 
