@@ -194,6 +194,37 @@ class ChunkUnitPolicy(CachePolicy):
                 self.inner.pin([unit])
                 self._idle -= held
 
+    def _busy_up_all(self, keys: Sequence[OffloadKey]) -> None:
+        """``_busy_up`` of each key's unit, with one inner ``pin`` for the lot."""
+        busy, nheld = self._busy, self._nheld
+        to_pin: list[bytes] = []
+        for key in keys:
+            unit = key[:-_SUFFIX]
+            b = busy.get(unit, 0)
+            busy[unit] = b + 1
+            if b == 0 and unit in nheld:
+                to_pin.append(unit)
+        if to_pin:
+            self.inner.pin(to_pin)
+            self._idle -= sum(map(nheld.__getitem__, to_pin))
+
+    def _busy_down_all(self, keys: Sequence[OffloadKey]) -> None:
+        """``_busy_down`` of each key's unit, with one inner ``unpin`` for the lot."""
+        busy, nheld = self._busy, self._nheld
+        to_unpin: list[bytes] = []
+        for key in keys:
+            unit = key[:-_SUFFIX]
+            b = busy[unit] - 1
+            if b:
+                busy[unit] = b
+            else:
+                del busy[unit]
+                if unit in nheld:
+                    to_unpin.append(unit)
+        if to_unpin:
+            self.inner.unpin(to_unpin)
+            self._idle += sum(map(nheld.__getitem__, to_unpin))
+
     def _busy_down(self, unit: bytes) -> None:
         b = self._busy[unit] - 1
         if b:
@@ -283,10 +314,13 @@ class ChunkUnitPolicy(CachePolicy):
     def insert(self, keys: Sequence[OffloadKey]) -> None:
         """Stores completed: pending keys become held, or dead when out of reach."""
         pending = self._pending
-        for key in keys:
-            if key in pending:
-                pending.discard(key)
-                self._busy_down(key[:-_SUFFIX])
+        if pending.issuperset(keys):
+            pending.difference_update(keys)
+            self._busy_down_all(keys)
+        else:
+            done = [k for k in keys if k in pending]
+            pending.difference_update(done)
+            self._busy_down_all(done)
         live = self._classify(keys)
         fresh: dict[bytes, None] = {}
         stored, members, dead = self._stored, self._members, self._dead
@@ -349,18 +383,22 @@ class ChunkUnitPolicy(CachePolicy):
             self.inner.access(units)
 
     def pin(self, keys: Sequence[OffloadKey]) -> None:
-        for key in keys:
-            if key in self._dead:
-                del self._dead[key]
-                self._dead_pinned.add(key)
-            self._busy_up(key[:-_SUFFIX])
+        dead = self._dead
+        if dead and not dead.keys().isdisjoint(keys):
+            for key in keys:
+                if key in dead:
+                    del dead[key]
+                    self._dead_pinned.add(key)
+        self._busy_up_all(keys)
 
     def unpin(self, keys: Sequence[OffloadKey]) -> None:
-        for key in keys:
-            if key in self._dead_pinned:
-                self._dead_pinned.discard(key)
-                self._dead[key] = None
-            self._busy_down(key[:-_SUFFIX])
+        pinned = self._dead_pinned
+        if pinned and not pinned.isdisjoint(keys):
+            for key in keys:
+                if key in pinned:
+                    pinned.discard(key)
+                    self._dead[key] = None
+        self._busy_down_all(keys)
 
     def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
         """``CachePolicy.evict`` for callers without ``make_room``; may return more than n."""
@@ -385,10 +423,8 @@ class ChunkUnitPolicy(CachePolicy):
         ``need`` keys cannot be freed without touching busy units or the
         store's own stored keys.
         """
-        pending = self._pending
-        for key in new:
-            pending.add(key)
-            self._busy_up(key[:-_SUFFIX])
+        self._pending.update(new)
+        self._busy_up_all(new)
         if len(new) < len(offered):
             self._hint_continuations(offered)
         # The store's stored keys stay: their units are busy, their dead keys set aside.
@@ -397,8 +433,7 @@ class ChunkUnitPolicy(CachePolicy):
         set_aside = [k for k in kept if k in self._dead]
         for key in set_aside:
             del self._dead[key]
-        for key in kept:
-            self._busy_up(key[:-_SUFFIX])
+        self._busy_up_all(kept)
         units_new = [u for u in dict.fromkeys(k[:-_SUFFIX] for k in new) if u not in self._nheld]
         victims: list[OffloadKey] | None
         if need > self.num_evictable():
@@ -407,8 +442,7 @@ class ChunkUnitPolicy(CachePolicy):
             victims = self._evict(need, units_new) if need > 0 else []
             if need <= 0 and new:
                 self.inner.evict(0, units_new)
-        for key in kept:
-            self._busy_down(key[:-_SUFFIX])
+        self._busy_down_all(kept)
         for key in set_aside:
             self._dead[key] = None
         if victims is None:
