@@ -5,6 +5,11 @@ that runs fast on two CPU cores. ``ModelConfig.from_hf_config`` reads the
 ``config.json`` of a Llama (``LlamaForCausalLM``) or Qwen2
 (``Qwen2ForCausalLM``) checkpoint.
 
+The engine runs one kind of layer (full causal attention, one KV cache
+group): ``hybrid_layers`` names what a hybrid checkpoint has beyond that
+(sliding-window, chunked local, Mamba / linear-attention layers), and
+``from_hf_config`` refuses it in one line before anything else.
+
 Qwen2 differs from Llama only in having biases on the q/k/v projections (and
 nothing on o_proj); Llama's optional ``attention_bias`` puts a bias on all four
 projections. Both are expressed with ``attention_bias`` (q/k/v) and
