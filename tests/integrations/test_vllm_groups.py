@@ -121,3 +121,44 @@ def test_sliding_window_groups_with_a_disk_tier_below_the_cpu_tier(tmp_path: Pat
     assert not rig.mismatches and rig.blocks_verified == len(rig.loaded_keys)
     assert any((tmp_path / "disk").rglob("*")), "nothing reached the disk tier"
     rig.shutdown()
+
+
+@pytest.mark.parametrize("lower", [{}, {"disk_bytes": "64MiB"}], ids=["cpu-tier", "disk-tier"])
+@pytest.mark.parametrize("layout", ["sliding_window", "remainder"])
+def test_chunks_of_two_gpu_blocks_per_group_match_vllm(
+    tmp_path: Path, layout: str, lower: dict
+) -> None:
+    # An offloaded chunk of 2 GPU blocks: a group's first block may sit in the middle of
+    # its first chunk (vLLM's block_indices), and sliding-window groups skip chunks.
+    # A window of 3 GPU blocks: a load of that group starts inside a chunk.
+    kinds = [full_spec(), sliding_spec(48), full_spec(), sliding_spec(48)]
+    if layout == "remainder":
+        kinds = [full_spec(), sliding_spec(48), sliding_spec(48), full_spec(), sliding_spec(48)]
+    extra: dict = {"cpu_bytes": "4MiB", "blocks_per_chunk": 2, **lower}
+    if lower:
+        extra["disk_dir"] = str(tmp_path / "disk")
+    rig = GroupsRig.build(tmp_path / "kvoffload", layer_specs(kinds), extra, CONNECTOR)
+    serve_evict_return(rig)
+    rig.add([*PROMPT[:72], *range(900, 956)], "part")
+    rig.run()
+    reference = GroupsRig.build(
+        tmp_path / "vllm",
+        layer_specs(kinds),
+        {"cpu_bytes_to_use": 4 << 20, "blocks_per_chunk": 2, **VLLM_CPU_SPEC},
+        STOCK,
+        instant=True,
+    )
+    serve_evict_return(reference)
+    reference.add([*PROMPT[:72], *range(900, 956)], "part")
+    reference.run()
+    assert rig.first_computed == reference.first_computed
+    assert rig.first_computed["again"] > 0
+    assert sorted(rig.stored_keys) == sorted(reference.stored_keys)
+    assert sorted(rig.loaded_keys) == sorted(reference.loaded_keys)
+    assert not rig.mismatches and rig.blocks_verified > 0
+    # Some job started a group in the middle of its first chunk.
+    assert any(
+        n and first % 2 for sizes, firsts in rig.job_groups for n, first in zip(sizes, firsts)
+    )
+    rig.shutdown()
+    reference.shutdown()

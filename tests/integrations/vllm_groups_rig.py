@@ -291,6 +291,8 @@ class GroupsRig:
     mismatches: list[tuple[str, int, int]] = field(default_factory=list)
     stored_keys: list[bytes] = field(default_factory=list)
     loaded_keys: list[bytes] = field(default_factory=list)
+    #: (group_sizes, block_indices) of every GPU side of a job, loads and stores.
+    job_groups: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     _pending: dict[int, _Load] = field(default_factory=dict)
 
     @classmethod
@@ -367,10 +369,14 @@ class GroupsRig:
 
     def _record_jobs(self, metadata: Any) -> None:
         jobs = self.scheduler.connector.connector_scheduler._jobs  # type: ignore[union-attr]
-        for job_id in metadata.store_jobs:
+        for job_id, job in metadata.store_jobs.items():
             self.stored_keys.extend(sorted(jobs[job_id].keys))
-        for job_id in metadata.load_jobs:
+            spec = job.src_spec
+            self.job_groups.append((tuple(spec.group_sizes), tuple(spec.block_indices)))
+        for job_id, job in metadata.load_jobs.items():
             self.loaded_keys.extend(sorted(jobs[job_id].keys))
+            spec = job.dst_spec
+            self.job_groups.append((tuple(spec.group_sizes), tuple(spec.block_indices)))
 
     def step(self) -> Any:
         output = self.scheduler.schedule()
