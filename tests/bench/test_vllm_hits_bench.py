@@ -57,7 +57,7 @@ PROFILE = [
     {"kind": "load_step", "start_s": 1e-4, "load_bytes": 10**7},
     {"kind": "load_done", "bytes": 10**7, "seconds": 1e-3},
     {"kind": "load_done", "bytes": 10**7, "seconds": 1e-3},
-    {"kind": "bulk", "bytes": 10**7, "seconds": 5e-4},
+    {"kind": "bulk", "bytes": 10**7, "seconds": 5e-4, "hot_seconds": 2.5e-4},
     {"kind": "sched_step", "meta_s": 1e-4},
     {"kind": "worker_step", "finished_s": 4e-4, "meta_s": 0.0},
 ]
@@ -69,6 +69,7 @@ def test_profile_summary_per_hit_means_and_gbps() -> None:
     assert s["steps_waited_mean"] == 1.0 and s["steps_waited_max"] == 2
     assert s["load_gbps"] == pytest.approx(10.0)
     assert s["bulk_gbps"] == pytest.approx(20.0)
+    assert s["bulk_hot_gbps"] == pytest.approx(40.0)
     assert s["load_vs_bulk"] == pytest.approx(0.5)
     b = s["breakdown_ms"]
     assert b["scheduler lookup"] == pytest.approx(0.2)
@@ -108,7 +109,6 @@ def test_summarize_ratios_gap_and_outputs() -> None:
     assert rows["miss"]["gap_closed"] == 0.0
     assert rows["suffix alone"]["ttft_mean_ms"] == 15.0
     assert rows["kvoffload hit"]["profile"]["hits"] == 2
-    assert rows["device hit"]["device_cached_tokens"] == 64
     assert s["identical_outputs"] == {
         "miss": 1,
         "kvoffload hit": 1,

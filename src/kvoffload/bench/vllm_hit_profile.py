@@ -20,9 +20,10 @@ the call, nothing inside changed) and one JSON line appended to
   ``{"kind": "load_done", "job_id", "bytes", "seconds"}``; per step:
   ``{"kind": "worker_step", "finished_s", "meta_s", "errors_s"}``;
 - worker side, the step after a synchronous load: one bulk copy of the same
-  number of bytes on the same thread, ``{"kind": "bulk", "bytes",
-  "seconds"}``, the reference a load's GB/s is compared with (it runs after
-  the hit's first token, so it never delays a hit).
+  number of bytes on the same thread from memory as cold as a load's,
+  ``{"kind": "bulk", "bytes", "seconds", "hot_seconds"}`` (then the same
+  copy again, cache-hot), the reference a load's GB/s is compared with (it
+  runs after the hit's first token, so it never delays a hit).
 
 The writes come after the timed calls; a line costs tens of microseconds.
 """
@@ -39,6 +40,8 @@ import torch
 from kvoffload.integrations.vllm.connector import KVOffloadConnector
 
 PROFILE_ENV = "KVOFFLOAD_HIT_PROFILE"
+#: Buffer pairs the bulk reference cycles through (8 x 2 x 12 MB: six times a 32 MiB L3).
+BULK_BUFFERS = 8
 
 
 class _Sink:
@@ -67,6 +70,7 @@ class ProfiledKVOffloadConnector(KVOffloadConnector):
         self._bulk_due = 0
         self._bulk_src: torch.Tensor | None = None
         self._bulk_dst: torch.Tensor | None = None
+        self._bulk_turn = 0
         self._finished_s = 0.0
         self._load_step = False
         self._load_ids: set[int] = set()
@@ -162,14 +166,24 @@ class ProfiledKVOffloadConnector(KVOffloadConnector):
         return sum(len(jobs[j].dst_spec.block_ids) * per_block for j in ids)
 
     def _bulk_copy(self, nbytes: int) -> None:
-        if self._bulk_src is None or self._bulk_src.numel() < nbytes:
-            self._bulk_src = torch.ones(nbytes, dtype=torch.uint8)
-            self._bulk_dst = torch.ones(nbytes, dtype=torch.uint8)
+        # A load reads CPU slots written requests ago and writes KV blocks last
+        # used as long ago: cold in the caches. The reference does the same: it
+        # cycles through BULK_BUFFERS pairs (more than the L3 holds), then copies
+        # the last pair again, hot, for comparison.
+        if self._bulk_src is None or self._bulk_src.shape[1] < nbytes:
+            self._bulk_src = torch.ones(BULK_BUFFERS, nbytes, dtype=torch.uint8)
+            self._bulk_dst = torch.ones(BULK_BUFFERS, nbytes, dtype=torch.uint8)
         assert self._bulk_dst is not None
-        src, dst = self._bulk_src[:nbytes], self._bulk_dst[:nbytes]
+        k = self._bulk_turn % BULK_BUFFERS
+        self._bulk_turn += 1
+        src, dst = self._bulk_src[k, :nbytes], self._bulk_dst[k, :nbytes]
         t = time.perf_counter()
         dst.copy_(src)
-        self._sink.write(kind="bulk", bytes=nbytes, seconds=time.perf_counter() - t)
+        cold = time.perf_counter() - t
+        t = time.perf_counter()
+        dst.copy_(src)
+        hot = time.perf_counter() - t
+        self._sink.write(kind="bulk", bytes=nbytes, seconds=cold, hot_seconds=hot)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         worker = self.kvoffload_worker
