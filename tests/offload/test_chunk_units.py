@@ -8,9 +8,9 @@ from kvoffload.offload.policies import make_policy
 from tests.offload.keyutil import key
 
 FULL = GroupLayout()
-SW32 = GroupLayout("sliding_window", 32, 16)  # a hit needs the 3 chunks before it
+SW48 = GroupLayout("sliding_window", 48, 16)  # a hit needs the 3 chunks before it
 TWO_FULL = (FULL, FULL)
-HYBRID = (FULL, SW32)
+HYBRID = (FULL, SW48)
 
 
 def chunk(i: int, groups: int = 2) -> list[OffloadKey]:
@@ -39,10 +39,11 @@ def hits(m: CPUOffloadingManager, ids: list[int], groups: int = 2) -> int:
 
 def test_group_layout_reach() -> None:
     assert FULL.reach_chunks is None
-    assert SW32.reach_chunks == 3  # 31 tokens before the boundary: 2 chunks, + 1 partial
-    assert GroupLayout("sliding_window", 128, 16).reach_chunks == 9
-    assert GroupLayout("sliding_window", 1024, 512).reach_chunks == 3
-    assert GroupLayout("chunked_local", 64, 16).reach_chunks == 5
+    assert SW48.reach_chunks == 3
+    assert GroupLayout("sliding_window", 128, 16).reach_chunks == 8
+    assert GroupLayout("sliding_window", 129, 16).reach_chunks == 9
+    assert GroupLayout("sliding_window", 1024, 512).reach_chunks == 2
+    assert GroupLayout("chunked_local", 64, 16).reach_chunks == 4
     assert GroupLayout("mamba").reach_chunks == 1
 
 
@@ -55,7 +56,7 @@ def test_group_layout_refuses_nonsense(kwargs: dict[str, object]) -> None:
         GroupLayout(**kwargs)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("layout", [None, (), (FULL,), (SW32,)])
+@pytest.mark.parametrize("layout", [None, (), (FULL,), (SW48,)])
 def test_one_group_keeps_the_per_key_policy(layout: tuple[GroupLayout, ...] | None) -> None:
     m = CPUOffloadingManager(8, "lru", group_layout=layout)
     assert type(m.policy) is type(make_policy("lru", 8))

@@ -27,7 +27,7 @@ from kvoffload.offload import CPUOffloadingManager, OffloadKey, make_offload_key
 from kvoffload.offload.chunk_units import ChunkUnitPolicy, GroupLayout
 
 LAYOUTS = [
-    (GroupLayout(), GroupLayout("sliding_window", 32, 16)),  # reach 3
+    (GroupLayout(), GroupLayout("sliding_window", 48, 16)),  # reach 3
     (GroupLayout(), GroupLayout("sliding_window", 17, 16), GroupLayout("mamba")),  # reach 2, 1
     (GroupLayout(), GroupLayout("mamba")),  # reach 1
     (GroupLayout(), GroupLayout()),  # two full groups: chunks only whole
@@ -127,15 +127,14 @@ class UnitMachine(RuleBasedStateMachine):
         assert len(victims) >= max(need, 0)
         if need > 0:
             assert len(victims) - need < max(len(self.layout), 1)
+        # A victim is a dead key the model does not need, or part of a chunk lost whole.
         whole_units = set()
         for unit in {v[:-4] for v in victims}:
             lost = {v for v in victims if v[:-4] == unit}
-            if lost == self.unit_keys(unit):
-                whole_units.add(unit)
-            else:
-                for v in lost:
-                    assert v in dead_before, "a chunk lost a key that was not dead"
-                    assert v not in self.needed, "a key a run end needs was dropped alone"
+            if lost <= dead_before and not lost & self.needed:
+                continue
+            assert lost == self.unit_keys(unit), "a chunk lost a key that was not dead"
+            whole_units.add(unit)
         for v in victims:
             assert v in self.stored and v not in self.pins and v not in offered
             assert v[:-4] not in kept_units or v in dead_before
@@ -239,6 +238,8 @@ class UnitMachine(RuleBasedStateMachine):
         units = self.units
         for k in self.stored:
             assert self.m.is_stored(k)
+        for k in self.needed:
+            assert not units.is_dead(k), "a key within reach of a run end is dead"
         assert len(units) == len(self.stored)
         assert self.m.num_stored_blocks() == len(self.stored)
         dead_idle = sum(1 for k in self.stored if units.is_dead(k) and k not in self.pins)

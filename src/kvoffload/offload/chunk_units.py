@@ -91,18 +91,18 @@ class GroupLayout:
     def reach_chunks(self) -> int | None:
         """How many chunks before a hit boundary a hit needs of this group; None: all.
 
-        A sliding window of W tokens needs the chunks holding the last W - 1
-        tokens before the boundary plus one for a boundary that falls inside
-        a chunk (vLLM's load window); chunked local attention at most one
-        attention chunk plus that one; a Mamba group only the state at the
-        boundary.
+        Hits end on chunk boundaries (an engine recomputes at most the last
+        prompt token, inside the last hit chunk), so a sliding window of W
+        tokens needs ``ceil(W / T)`` chunks before the boundary, chunked local
+        attention at most one attention chunk, ``ceil(C / T)`` (vLLM 0.33's
+        ``sliding_window_size_in_chunks`` and its load window for those hits),
+        and a Mamba group only the state at the boundary.
         """
         if self.kind == MAMBA:
             return 1
         if self.sliding_window is None:
             return None
-        t = self.tokens_per_chunk
-        return -(-(self.sliding_window - 1) // t) + 1
+        return -(-self.sliding_window // self.tokens_per_chunk)
 
 
 def uses_chunk_units(layout: Sequence[GroupLayout] | None) -> bool:
