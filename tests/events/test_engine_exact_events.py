@@ -15,6 +15,7 @@ import pytest
 
 from kvoffload.engine import EngineConfig, LLMEngine, SamplingParams
 from kvoffload.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvoffload.events.journal import JOURNAL_NAME
 from kvoffload.offload.base import make_offload_key
 
 BS = 4
@@ -88,7 +89,9 @@ class Router:
             if ev.medium == "GPU":
                 self.gpu_payload[h] = (parent, tokens)
             else:
-                assert self.gpu_payload[h] == (parent, tokens), "offloaded payload differs"
+                # Known from a GPU store, or first seen here (a restarted disk tier's).
+                known = self.gpu_payload.setdefault(h, (parent, tokens))
+                assert known == (parent, tokens), "offloaded payload differs"
                 assert ev.kv_cache_spec_kind == "full_attention"
             parent = h
 
@@ -183,22 +186,50 @@ def test_unknown_events_mode_is_one_line() -> None:
         EngineConfig(events_mode="copies")
 
 
-def test_restart_on_the_same_disk_announces_then_describes_what_it_holds(
-    tmp_path: Path,
-) -> None:
-    # The restarted engine announces the disk's blocks at start (placeholders: their
-    # tokens are not on disk); serving the prompts again shows their tokens on the
-    # GPU, and the disk tier re-announces them described. The set stays exact.
+def _first_run(tmp_path: Path) -> None:
     first, _ = _engine(tmp_path)
     try:
         first.generate(PROMPTS, SamplingParams(max_tokens=2))
         first.drain()
+        first.step()  # publish the last steps' events (and keep their payloads)
     finally:
         first.close()
+
+
+def test_restart_on_the_same_disk_announces_its_blocks_with_their_tokens(
+    tmp_path: Path,
+) -> None:
+    # The disk tier's payloads are kept next to it: the restarted engine's first
+    # batch clears the earlier incarnation, then announces the disk's blocks described.
+    _first_run(tmp_path)
+    assert (tmp_path / "disk" / JOURNAL_NAME).exists()
     engine, published = _engine(tmp_path)
     router = Router()
     try:
         engine.step()
+        assert isinstance(published[0], AllBlocksCleared)
+        router.apply(published)
+    finally:
+        engine.close()
+    on_disk = router.held.get("DISK", set())
+    assert on_disk, "the restarted disk tier announced nothing"
+    assert router.described_hashes.get("DISK", set()) == on_disk
+
+
+def test_restart_without_kept_payloads_describes_blocks_once_seen_again(
+    tmp_path: Path,
+) -> None:
+    # Without the journal the disk's blocks are announced as placeholders; serving
+    # the prompts again shows their tokens on the GPU, and the disk tier
+    # re-announces them described. The set stays exact throughout.
+    _first_run(tmp_path)
+    (tmp_path / "disk" / JOURNAL_NAME).unlink()
+    engine, published = _engine(tmp_path)
+    router = Router()
+    try:
+        engine.step()
+        # A consumer still holding the earlier incarnation's entries drops them first.
+        assert isinstance(published[0], AllBlocksCleared)
         router.apply(published)
         published.clear()
         on_disk = set(router.held.get("DISK", set()))

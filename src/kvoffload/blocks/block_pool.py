@@ -298,6 +298,16 @@ class BlockPool:
                 listener(cleared)
         return True
 
+    def announce_empty(self) -> None:
+        """Queue ``AllBlocksCleared``: an engine's stream starts with it (see ``kvoffload.events``).
+
+        A router that kept entries of an earlier incarnation of this instance
+        (the same endpoint, restarted) drops them; what a persistent tier
+        still holds is announced after it.
+        """
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
+
     # -- introspection ------------------------------------------------------
 
     def get_num_free_blocks(self) -> int:

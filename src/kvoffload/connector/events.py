@@ -16,7 +16,9 @@ event stream (``observe``, a ``BlockPool`` event listener) while the GPU
 holds the blocks, snapshotted per key when a tier first holds it and kept
 while any tier holds it (then in a bounded "recently left" map, because a
 write-back store to disk may be announced after the CPU dropped the key).
-A key whose payload is unknown (a disk block from an earlier run) is
+With a ``journal`` (``kvoffload.events.journal``, next to a disk tier), the
+disk tier's payloads survive a restart: the restarted engine announces the
+disk's blocks described at once. A key whose payload is still unknown is
 announced as vLLM's placeholder: its one hash, ``block_size=0``, no tokens;
 once the GPU tier holds its blocks again (a hit loads them), every tier
 holding it re-announces it described: a removal of the placeholder's hash,
@@ -35,9 +37,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from kvoffload.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvoffload.events import MEDIUM_DISK, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvoffload.events.journal import JOURNAL_NAME, Payload, PayloadJournal
 from kvoffload.offload.base import (
     OffloadingEvent,
     OffloadKey,
@@ -85,6 +89,23 @@ class _Payload:
     lora_name: str | None
 
 
+def _payload_tuple(p: _Payload) -> Payload:
+    return (p.hashes, p.parent, p.tokens, p.extra_keys, p.block_size, p.lora_id, p.lora_name)
+
+
+def _payload_from(t: Payload) -> _Payload:
+    hashes, parent, tokens, extra, block_size, lora_id, lora_name = t
+    return _Payload(
+        [bytes(h) for h in hashes],
+        None if parent is None else bytes(parent),
+        list(tokens),
+        [None if e is None else tuple(e) for e in extra],
+        int(block_size),
+        lora_id,
+        lora_name,
+    )
+
+
 @dataclass(slots=True)
 class _Held:
     """Which tiers hold a key, and its payload (None: placeholder)."""
@@ -107,6 +128,7 @@ class OffloadEventDescriber:
         self_describing: bool = False,
         group_specs: Mapping[int, GroupSpec] | None = None,
         ownership: Mapping[str, str] | None = None,
+        journal: PayloadJournal | None = None,
     ) -> None:
         if block_size_factor <= 0:
             raise ValueError(f"block_size_factor must be positive, got {block_size_factor}")
@@ -123,6 +145,9 @@ class OffloadEventDescriber:
         # tier has just shown (re-announced described at the next translation).
         self._placeholders: set[OffloadKey] = set()
         self._to_describe: set[OffloadKey] = set()
+        #: Payloads of the disk tier's blocks across restarts (None: not kept).
+        self.journal = journal
+        self._journal_compacted = False
 
     # -- the GPU tier's exact stream --------------------------------------------
 
@@ -197,6 +222,8 @@ class OffloadEventDescriber:
                     if held is None or medium not in held.media:
                         continue
                     held.media.discard(medium)
+                    if medium == MEDIUM_DISK and self.journal is not None:
+                        self.journal.delete(key)
                     if not held.media:
                         emptied.append(key)
                     hashes = held.payload.hashes if held.payload else [offload_key_block_hash(key)]
@@ -210,12 +237,16 @@ class OffloadEventDescriber:
                     payload = self._left.pop(key, None)
                     if payload is None and self.self_describing:
                         payload = self._from_gpu(key)
+                    if payload is None and self.self_describing and self.journal is not None:
+                        kept = self.journal.get(key)
+                        payload = None if kept is None else _payload_from(kept)
                     held = self._held[key] = _Held(payload)
                     if payload is None:
                         self._placeholders.add(key)
                 if medium in held.media:
                     continue
                 held.media.add(medium)
+                self._journal_put(key, held.payload, medium)
                 group = offload_key_group_idx(key)
                 if not self._extends(out, held.payload, medium, group, offload_key_block_hash(key)):
                     out.append(self._stored(key, held.payload, medium))
@@ -231,7 +262,28 @@ class OffloadEventDescriber:
         for h in self._gpu_left:
             self._gpu.pop(h, None)
         self._gpu_left.clear()
+        if self.journal is not None:
+            if not self._journal_compacted:
+                # The first translation carries the disk tier's start-up announcement:
+                # payloads of blocks it no longer holds go.
+                self._journal_compacted = True
+                self.journal.keep_only(
+                    {k for k, h in self._held.items() if MEDIUM_DISK in h.media}
+                )
+            self.journal.flush()
         return out
+
+    def keep_payloads_in(self, directory: str | None) -> None:
+        """Keep the disk tier's payloads in ``directory`` (its own; None: not kept).
+
+        Only with self-describing events: placeholders need no journal.
+        """
+        if directory is not None and self.self_describing and self.journal is None:
+            self.journal = PayloadJournal(Path(directory) / JOURNAL_NAME)
+
+    def _journal_put(self, key: OffloadKey, payload: _Payload | None, medium: str) -> None:
+        if payload is not None and medium == MEDIUM_DISK and self.journal is not None:
+            self.journal.put(key, _payload_tuple(payload))
 
     def _describe_placeholders(self, out: list[KVEvent]) -> None:
         """Re-announce placeholder keys whose payload the GPU tier now shows."""
@@ -247,6 +299,7 @@ class OffloadEventDescriber:
             for medium in sorted(held.media):
                 out.append(self._removed([offload_key_block_hash(key)], medium, group))
                 out.append(self._stored(key, payload, medium))
+                self._journal_put(key, payload, medium)
             held.payload = payload
         self._to_describe.clear()
 

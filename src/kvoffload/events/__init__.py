@@ -12,11 +12,13 @@ nothing. ``AllBlocksCleared`` empties the GPU tier's set (the offloaded
 tiers announce their removals per hash: vLLM's ``AllBlocksCleared`` has no
 medium). Replay re-sends the very batches that were published, so a late
 subscriber that replays from the first sequence number builds the same
-sets; a restarted engine starts from empty sets and announces again what a
-persistent tier (disk) still holds. vLLM 0.33's per-copy stream (one event
-per cached or evicted copy, for consumers that reference-count) is the
-events mode ``"per-copy"`` (``EngineConfig.events_mode``, ``kvoffload run
---events-mode per-copy``).
+sets. An engine's stream starts with ``AllBlocksCleared`` (seq 0): a
+consumer that still holds entries of an earlier incarnation of the same
+instance (a restart on the same endpoint) drops them, for every tier; a
+persistent tier (disk) then announces again what it still holds. vLLM
+0.33's per-copy stream (one event per cached or evicted copy, for consumers
+that reference-count) is the events mode ``"per-copy"``
+(``EngineConfig.events_mode``, ``kvoffload run --events-mode per-copy``).
 
 Offloaded tiers (CPU, STORAGE) are self-describing by default in
 ``kvoffload run``: their stores carry token ids, parent hash, block size,

@@ -21,7 +21,9 @@ Invariants of :class:`ZmqEventPublisher`:
 * ``publish`` never blocks on ZMQ and never touches a socket: it stamps the
   batch, takes the next seq and hands both to the socket thread through a
   bounded queue. All sockets live on that one thread.
-* Seqs start at 0 and grow by one per ``publish`` call. A batch dropped because
+* Seqs start at ``first_seq`` (0, as vLLM's, unless given; an engine passes
+  :func:`restart_safe_first_seq`) and grow by one per ``publish`` call. A
+  batch dropped because
   the queue was full still consumes its seq, so subscribers see the loss as a
   gap that replay cannot fill, rather than silently missing state.
 * Batches go out in seq order; the replay buffer holds the last
@@ -89,12 +91,32 @@ __all__ = [
     "PublisherStats",
     "ZmqEventPublisher",
     "make_publisher",
+    "restart_safe_first_seq",
     "seq_from_bytes",
     "seq_to_bytes",
 ]
 
 # How many queued batches the socket thread sends between checks for shutdown.
 _SEND_CHUNK = 256
+# 2025-01-01T00:00:00Z: restart-safe seqs count seconds from here, so they stay
+# far below 2**64 for centuries.
+_SEQ_EPOCH_S = 1_735_689_600
+# Seconds are shifted past a subscriber's believable gap (2**32 batches), so a
+# restart a second or more later reads as a new stream, not as lost batches.
+_SEQ_SECOND_SHIFT = 33
+
+
+def restart_safe_first_seq(now_s: float | None = None) -> int:
+    """A first seq above any seq an earlier incarnation (started a second or more
+    before) can have reached.
+
+    Routers that keep the last seq per instance (Dynamo's indexer) drop a
+    restarted publisher's batches until its seq passes the old one; starting
+    above it, the restart's first batch (``AllBlocksCleared``) is applied at
+    once. kvoffload's subscriber reads the jump as a resync (a new epoch).
+    """
+    now = time.time() if now_s is None else now_s
+    return max(0, int(now) - _SEQ_EPOCH_S) << _SEQ_SECOND_SHIFT
 
 
 class EventPublisher(ABC):
@@ -189,9 +211,12 @@ class ZmqEventPublisher(EventPublisher):
         shutdown_timeout_s: float = 5.0,
         replay_client_hwm: int = REPLAY_CLIENT_HWM,
         replay_stall_s: float = REPLAY_STALL_S,
+        first_seq: int = 0,
     ) -> None:
         if not endpoint:
             raise ValueError("KV events endpoint must not be empty")
+        if not 0 <= first_seq < 1 << 63:
+            raise ValueError(f"first_seq must be in [0, 2**63), got {first_seq}")
         if buffer_steps < 0 or hwm < 0 or max_queue_size < 1:
             raise ValueError(
                 f"need buffer_steps >= 0, hwm >= 0, max_queue_size >= 1; got "
@@ -214,7 +239,7 @@ class ZmqEventPublisher(EventPublisher):
         # that no batch can slip in after shutdown's final drain began.
         self._queue: queue.Queue[tuple[int, KVEventBatch]] = queue.Queue(max_queue_size)
         self._lock = threading.Lock()
-        self._next_seq = 0
+        self._next_seq = first_seq
         self._closed = False
         self._stop = threading.Event()
         # A socketpair wakes the socket thread's zmq poll when the queue gets
@@ -440,6 +465,7 @@ def make_publisher(
     *,
     max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
     events_format: str = DEFAULT_PROFILE,
+    first_seq: int = 0,
 ) -> EventPublisher:
     """A :class:`ZmqEventPublisher` speaking ``events_format`` ("vllm" or "legacy").
 
@@ -458,4 +484,5 @@ def make_publisher(
         data_parallel_rank,
         max_queue_size=max_queue_size,
         profile=events_format,
+        first_seq=first_seq,
     )
