@@ -28,7 +28,7 @@ from kvoffload.engine.scheduler import Scheduler
 from kvoffload.engine.stats import EngineStats
 from kvoffload.engine.threads import apply_thread_policy
 from kvoffload.events import KVEvent
-from kvoffload.events.publisher import make_publisher
+from kvoffload.events.publisher import make_publisher, restart_safe_first_seq
 from kvoffload.hashing import get_hash_fn_by_name, make_none_hash
 from kvoffload.offload.media import CPU_MEDIUM
 
@@ -75,6 +75,7 @@ class LLMEngine:
             enable_kv_cache_events=config.publishes_events,
             events_mode=config.events_mode,
         )
+        self.pool.announce_empty()  # a restarted instance's stale entries go first
         self.kv = KVCacheManager(self.pool, config.block_size)
         self.offload: OffloadSetup | None = None
         self.connector: OffloadingConnectorScheduler | None = None
@@ -89,6 +90,7 @@ class LLMEngine:
             config.events_endpoint,
             config.events_replay_endpoint,
             events_format=config.events_format,
+            first_seq=restart_safe_first_seq(),  # a restart is a new stream to routers
             **topic,  # type: ignore[arg-type]
         )
         self.stats = EngineStats()

@@ -62,4 +62,5 @@ def build_offload(config: EngineConfig, pool: BlockPool, runner: ModelRunner) ->
         pool, manager, config.block_size, store_mode=config.store_mode
     )
     connector.events.self_describing = config.events_self_describing
+    connector.events.keep_payloads_in(config.disk_dir if config.publishes_events else None)
     return OffloadSetup(manager, connector, worker, host_pool, closers)
