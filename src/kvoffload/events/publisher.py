@@ -98,8 +98,8 @@ __all__ = [
 
 # How many queued batches the socket thread sends between checks for shutdown.
 _SEND_CHUNK = 256
-# 2025-01-01T00:00:00Z: restart-safe seqs count seconds from here, so they stay
-# far below 2**64 for centuries.
+# 2025-01-01T00:00:00Z: restart-safe seqs count seconds from here; shifted by
+# _SEQ_SECOND_SHIFT they stay below 2**63 (END_SEQ is -1) until 2059.
 _SEQ_EPOCH_S = 1_735_689_600
 # Seconds are shifted past a subscriber's believable gap (2**32 batches), so a
 # restart a second or more later reads as a new stream, not as lost batches.

@@ -411,6 +411,10 @@ class KVEventSubscriber:
             while end in got:
                 end += 1
             got = {s: p for s, p in got.items() if s < end}
+        if got and min(got) - first > self._max_gap:
+            # Not a believable gap (as live): the stream starts there, e.g. an
+            # engine's restart-safe first seq asked for "from seq 0".
+            first = min(got)
         lost_before = len(self.lost_ranges)
         cursor = first
         for s in sorted(got):
