@@ -173,16 +173,18 @@ def _start(engine_id: str, ranks: list[int | None], world: int) -> tuple[Any, bo
     return proc, named
 
 
-def _kill(proc: Any) -> None:
-    os.kill(proc.pid, signal.SIGKILL)
+def _kill(proc: Any, sig: signal.Signals = signal.SIGKILL) -> None:
+    os.kill(proc.pid, sig)
     proc.join(timeout=60)
+    assert proc.exitcode is not None
 
 
-def test_sigkill_of_a_started_engine_leaves_nothing(engine_id: str) -> None:
-    """Worker and scheduler mapped (vLLM's uniproc executor): SIGKILL, and no file is left."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_no_signal_to_a_started_engine_leaves_anything(engine_id: str, sig: signal.Signals) -> None:
+    """Worker and scheduler mapped (vLLM's uniproc executor): killed, and no file is left."""
     proc, named = _start(engine_id, [0, None], world=1)
     assert named is False, "the name must be gone once both mapped"
-    _kill(proc)
+    _kill(proc, sig)
     assert not os.path.exists(region_path(engine_id))
 
 
