@@ -179,15 +179,15 @@ def test_whole_chunk_victims_may_exceed_the_need_by_less_than_a_chunk() -> None:
 
 
 def test_sliding_window_keys_out_of_reach_go_first() -> None:
-    """A prompt of 8 chunks: the window needs its last 3 chunks; chunks 0-4 of it are dead."""
+    """A prompt of 8 chunks: hits at its end (8) and one chunk earlier (7) need chunks 4-7."""
     m = CPUOffloadingManager(16, "lru", group_layout=HYBRID)
     store(m, chain(range(8)))
     units = m.policy
     assert isinstance(units, ChunkUnitPolicy)
-    assert units.dead_keys() == [key(i, 1) for i in range(5)]
+    assert units.dead_keys() == [key(i, 1) for i in range(4)]
     assert m.num_room_blocks() == 16
     victims = store(m, chain(range(100, 103)))  # 6 keys, 0 free slots
-    assert victims == [key(i, 1) for i in range(5)] + [key(7, 0), key(7, 1)][: len(victims) - 5]
+    assert victims == [key(i, 1) for i in range(4)] + [key(7, 0), key(7, 1)]
     # Every full-attention key of the prompt before chunk 7 is still held.
     assert all(m.is_stored(key(i, 0)) for i in range(7))
 
@@ -199,7 +199,7 @@ def test_a_lookup_that_stops_mid_chain_keeps_the_window_before_it() -> None:
     assert m.lookup([key(i, 0) for i in [0, 1, 2, 3, 50]]) == 4
     units = m.policy
     assert isinstance(units, ChunkUnitPolicy)
-    assert units.dead_keys() == [key(0, 1), key(4, 1)]
+    assert units.dead_keys() == [key(0, 1)]
 
 
 def test_a_store_continuing_a_stored_chain_marks_its_boundary() -> None:
@@ -210,8 +210,8 @@ def test_a_store_continuing_a_stored_chain_marks_its_boundary() -> None:
     store(m, chain(range(8, 10)))
     units = m.policy
     assert isinstance(units, ChunkUnitPolicy)
-    # The first turn's end (chunks 5-7) and the second's (8, 9) stay reachable.
-    assert units.dead_keys() == [key(i, 1) for i in range(5)]
+    # The first turn's end (chunks 4-7) and the second's (8, 9) stay reachable.
+    assert units.dead_keys() == [key(i, 1) for i in range(4)]
 
 
 def test_a_dead_key_that_is_read_is_kept_again() -> None:
@@ -230,7 +230,7 @@ def test_mamba_keeps_only_the_state_at_each_boundary() -> None:
     store(m, chain(range(6)))
     units = m.policy
     assert isinstance(units, ChunkUnitPolicy)
-    assert units.dead_keys() == [key(i, 1) for i in range(5)]
+    assert units.dead_keys() == [key(i, 1) for i in range(4)]
 
 
 @pytest.mark.parametrize("policy", policy_names())
@@ -256,11 +256,10 @@ def test_every_policy_runs_under_the_unit_layer(policy: str) -> None:
 
 def test_a_queued_request_keeps_the_window_its_hit_needs() -> None:
     """A queued request shares chunks 0-3 of a stored prompt: its hit needs chunks 1-3's window."""
-    m = CPUOffloadingManager(16, "lru", group_layout=HYBRID)
-    store(m, chain(range(8)))
+    m = CPUOffloadingManager(24, "lru", group_layout=HYBRID)
+    store(m, chain(range(12)))
     m.hint_queued("r", [key(i, 0) for i in [0, 1, 2, 3, 60, 61]] + [key(i, 1) for i in [0, 1]])
     units = m.policy
     assert isinstance(units, ChunkUnitPolicy)
-    assert units.dead_keys() == [key(0, 1), key(4, 1)]
-    victims = store(m, chain(range(100, 101)))
-    assert victims == [key(0, 1), key(4, 1)]
+    # Chunks 1-3 before the request's boundary, 8-11 before the prompt's end stay.
+    assert units.dead_keys() == [key(i, 1) for i in (0, 4, 5, 6, 7)]

@@ -3,8 +3,8 @@
 Requests are chains of a small prefix tree (chunk i of a path is the unit
 ``path[: i + 1]``); each chunk has one key per KV cache group. The model keeps
 what is stored, storing and pinned, and which windowed keys must be kept
-because a store's run of that group ended within the group's reach after
-them (a prompt ended there). After every call it checks:
+because a store's run of that group ended within the group's reach (plus
+the chunk a hit of the same prompt stops short by) after them. After every call it checks:
 
 - a store's victims are stored, idle keys outside the store; a chunk loses
   keys alone only where they are windowed keys the unit layer had classed as
@@ -181,7 +181,8 @@ class UnitMachine(RuleBasedStateMachine):
                 j += 1
             reach = self.layout[int.from_bytes(g, "big")].reach_chunks
             if reach is not None:
-                self.needed.update(keys[max(i, j - reach) : j])
+                # Hits at the run's end and one chunk before it.
+                self.needed.update(keys[max(i, j - reach - 1) : j])
             i = j
 
     @rule(path=paths)

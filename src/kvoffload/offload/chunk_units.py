@@ -363,7 +363,12 @@ class ChunkUnitPolicy(CachePolicy):
                         prev[ub] = ua
             r = reach.get(suffix)
             if r is not None:
+                # A prompt ends here: a later turn hits at its end, the same prompt again one
+                # chunk earlier when its length is a whole number of chunks (the last token is
+                # recomputed). Both are boundaries.
                 boundary.add(keys[j - 1][:-_SUFFIX])
+                if j - 2 >= i:
+                    boundary.add(keys[j - 2][:-_SUFFIX])
                 since = 0
                 for k in range(j - 1, i - 1, -1):
                     if keys[k][:-_SUFFIX] in boundary:
@@ -534,9 +539,10 @@ class ChunkUnitPolicy(CachePolicy):
                 break
             last = key
         if last is not None:
+            # The whole chain may be stored: the hit then stops one chunk earlier too.
             unit = last[:-_SUFFIX]
             self._boundary.add(unit)
-            self._mark_back(unit, self._max_reach)
+            self._mark_back(unit, self._max_reach + 1)
 
     def hint_dequeued(self, request_id: str) -> None:
         self.inner.hint_dequeued(request_id)
