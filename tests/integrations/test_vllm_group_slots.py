@@ -78,44 +78,37 @@ def config(layers: list[int], layout: str | None = "LBHNC", world: int = 1) -> O
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_groups_of_fewer_layers_get_smaller_slots_and_the_same_number_of_chunks(world: int) -> None:
-    # Gemma 3 1B style: 4 full layers, 22 sliding: vLLM's groups of 4, 4, 4, 4, 4, 4, 2.
-    layers = [4, 4, 4, 4, 4, 4, 2]
-    budget = 100 * sum(layers) * PAGE * world
-    plan = plan_group_slots(config(layers, world=world), budget, 1)
-    assert [c.groups for c in plan.classes] == [(0, 1, 2, 3, 4, 5), (6,)]
-    assert [plan.slot_bytes(c) for c in range(2)] == [4 * PAGE, 2 * PAGE]
-    # Every group can hold 100 chunks; nothing is padded to the widest group.
-    assert [c.num_slots for c in plan.classes] == [600, 100]
+def test_full_attention_groups_of_fewer_layers_get_smaller_slots_and_as_many_chunks(
+    world: int,
+) -> None:
+    # [full x4], [sliding x4] x3, [full x1] (e.g. an MTP / EAGLE drafter layer).
+    layers = [4, 4, 4, 4, 1]
+    windowed = [False, True, True, True, False]
+    budget = 100 * 5 * PAGE * world
+    plan = plan_group_slots(config(layers, world=world), budget, 1, windowed=windowed)
+    assert [c.groups for c in plan.classes] == [(0, 1, 2, 3), (4,)]
+    assert [plan.slot_bytes(c) for c in range(2)] == [4 * PAGE, PAGE]
+    # Both full-attention groups can hold 100 chunks; the sliding-window groups share
+    # the wide slots. Nothing of the one-layer group is padded to four pages.
+    assert [c.num_slots for c in plan.classes] == [100, 100]
     used = sum(c.num_slots * plan.slot_bytes(i) * world for i, c in enumerate(plan.classes))
     assert used == budget
     line = plan.describe([f"g{g}" for g in range(len(layers))])
-    per_slot = "4KiB" if world == 1 else "8KiB"  # all workers' shards of one slot
-    assert "\n" not in line and f"[g6]: 100 slots of {per_slot}" in line
+    per_slot = "2KiB" if world == 1 else "4KiB"  # all workers' shards of one slot
+    assert "\n" not in line and f"[g4]: 100 slots of {per_slot}" in line
 
 
-@pytest.mark.parametrize(
-    ("layers", "layout", "shared"),
-    [
-        ([2, 2], "LBHNC", False),  # equal groups: one class
-        ([4, 2], "BLHNC", False),  # block-outermost: every group's pages in one block row
-        ([4, 2], None, False),  # a layout vLLM does not name
-        ([4, 2], "LBHNC", True),  # vLLM's shared region: one row size
-        ([3], "LBHNC", False),
-    ],
-)
-def test_one_class_of_whole_blocks_where_the_layout_does_not_tell_groups_apart(
-    layers: list[int], layout: str | None, shared: bool
-) -> None:
-    cfg = config(layers, layout)
-    plan = plan_group_slots(cfg, 64 * max(layers) * PAGE, 1, shared_rows=shared)
+def test_windowed_groups_of_fewer_layers_share_the_full_groups_slots() -> None:
+    # Gemma 3 1B style: 4 full layers, 22 sliding: vLLM's groups of 4, 4, 4, 4, 4, 4, 2.
+    layers = [4, 4, 4, 4, 4, 4, 2]
+    windowed = [False] + [True] * 6
+    plan = plan_group_slots(config(layers), 64 * 4 * PAGE, 1, windowed=windowed)
     assert plan.single and plan.classes[0].num_slots == 64
-    assert plan.slot_bytes(0) == cfg.worker_kv_bytes_per_block
 
 
 def test_a_budget_below_one_slot_of_a_class_is_refused_in_one_line() -> None:
     with pytest.raises(KVOffloadConfigError) as info:
-        plan_group_slots(config([4, 1]), 4 * PAGE, 1)
+        plan_group_slots(config([4, 1]), 4 * PAGE, 1, windowed=[False, False])
     assert "'cpu_bytes'" in str(info.value) and "\n" not in str(info.value)
 
 

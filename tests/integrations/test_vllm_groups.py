@@ -19,6 +19,7 @@ from tests.integrations.vllm_groups_rig import (  # noqa: E402
     STOCK,
     VLLM_CPU_SPEC,
     GroupsRig,
+    draft_spec,
     full_spec,
     layer_specs,
     sliding_spec,
@@ -69,19 +70,21 @@ def test_sliding_window_and_full_attention_groups_load_every_groups_bytes(
 
 
 def test_a_group_with_fewer_layers_gets_slots_of_its_own_size(tmp_path: Path) -> None:
-    # vLLM's planner: [full x2], [sliding x2], [sliding x1] (the remainder group).
-    kinds = [full_spec(), sliding_spec(32), sliding_spec(32), full_spec(), sliding_spec(32)]
+    # vLLM's planner: [full + drafter] (2 layers), [full] (1 layer), [sliding x2]. The
+    # one-layer full-attention group needs every chunk too: slots of one page of its own.
+    kinds = [full_spec(), full_spec(), sliding_spec(32), sliding_spec(32), draft_spec()]
     rig = GroupsRig.build(
         tmp_path / "kvoffload", layer_specs(kinds), {"cpu_bytes": "4MiB"}, CONNECTOR
     )
-    assert [len(g.layer_names) for g in rig.groups] == [2, 2, 1]
+    assert [len(g.layer_names) for g in rig.groups] == [2, 1, 2]
     spec = rig.worker_connector.connector_worker.spec
     plan = spec.slot_plan
-    assert [c.groups for c in plan.classes] == [(0, 1), (2,)]
+    assert [c.groups for c in plan.classes] == [(0, 2), (1,)]
     page = rig.kv_caches["model.layers.0.self_attn.attn"][0].numel() * 2
     assert [plan.slot_bytes(c) for c in range(2)] == [2 * page, page]
-    # cpu_bytes split so that every group can hold the same number of chunks.
-    assert abs(plan.classes[0].num_slots - 2 * plan.classes[1].num_slots) <= 2
+    # cpu_bytes split so that every full-attention group can hold the same number of
+    # chunks; the sliding-window group shares the wider class's slots.
+    assert abs(plan.classes[0].num_slots - plan.classes[1].num_slots) <= 1
     total = sum(c.num_slots * plan.slot_bytes(i) for i, c in enumerate(plan.classes))
     assert total <= 4 << 20 < total + 3 * 2 * page
     worker = rig.worker_connector.connector_worker.worker
@@ -124,7 +127,7 @@ def test_sliding_window_groups_with_a_disk_tier_below_the_cpu_tier(tmp_path: Pat
 
 
 @pytest.mark.parametrize("lower", [{}, {"disk_bytes": "64MiB"}], ids=["cpu-tier", "disk-tier"])
-@pytest.mark.parametrize("layout", ["sliding_window", "remainder"])
+@pytest.mark.parametrize("layout", ["sliding_window", "drafter"])
 def test_chunks_of_two_gpu_blocks_per_group_match_vllm(
     tmp_path: Path, layout: str, lower: dict
 ) -> None:
@@ -132,8 +135,8 @@ def test_chunks_of_two_gpu_blocks_per_group_match_vllm(
     # its first chunk (vLLM's block_indices), and sliding-window groups skip chunks.
     # A window of 3 GPU blocks: a load of that group starts inside a chunk.
     kinds = [full_spec(), sliding_spec(48), full_spec(), sliding_spec(48)]
-    if layout == "remainder":
-        kinds = [full_spec(), sliding_spec(48), sliding_spec(48), full_spec(), sliding_spec(48)]
+    if layout == "drafter":  # two slot classes (a one-layer full-attention group)
+        kinds = [full_spec(), full_spec(), sliding_spec(48), sliding_spec(48), draft_spec()]
     extra: dict = {"cpu_bytes": "4MiB", "blocks_per_chunk": 2, **lower}
     if lower:
         extra["disk_dir"] = str(tmp_path / "disk")
@@ -162,3 +165,14 @@ def test_chunks_of_two_gpu_blocks_per_group_match_vllm(
     )
     rig.shutdown()
     reference.shutdown()
+
+
+def test_windowed_groups_of_fewer_layers_share_the_widest_slots(tmp_path: Path) -> None:
+    # Gemma style: [full x2], [sliding x2], [sliding x1]: the windowed remainder group holds
+    # a few chunks per prefix; it shares the full groups' slots (padded, as vLLM's) rather
+    # than take a share of cpu_bytes it would mostly leave empty.
+    kinds = [full_spec(), sliding_spec(32), sliding_spec(32), full_spec(), sliding_spec(32)]
+    rig = GroupsRig.build(tmp_path, layer_specs(kinds), {"cpu_bytes": "4MiB"}, CONNECTOR)
+    assert [len(g.layer_names) for g in rig.groups] == [2, 2, 1]
+    assert rig.worker_connector.connector_worker.spec.slot_plan.single
+    rig.shutdown()

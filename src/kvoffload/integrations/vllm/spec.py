@@ -42,6 +42,7 @@ from kvoffload.integrations.vllm.group_slots import (
     group_layout_fingerprint,
     group_name,
     plan_group_slots,
+    windowed_groups,
 )
 from kvoffload.integrations.vllm.manager import KVOffloadManager
 from kvoffload.integrations.vllm.settings import (
@@ -138,6 +139,8 @@ class KVOffloadSpec(OffloadingSpec):
         self.kv_bytes_per_chunk = _round_up(slot_bytes * world, mmap.PAGESIZE)
         self.all_layers_portable: bool | None = None
         self.num_slots = 0
+        #: (group id, kind, window) of each group, when KVOffloadConnector announced them.
+        self.group_descriptions = take_announced_groups(config.engine_id)
         #: Slot classes of the KV cache groups (one unless groups' blocks differ in size).
         self.slot_plan: GroupSlotPlan | None = None
         if slot_bytes > 0:
@@ -150,15 +153,17 @@ class KVOffloadSpec(OffloadingSpec):
                         f"block on {world} worker(s) ({self.kv_bytes_per_chunk} bytes)"
                     )
             self.slot_plan = plan_group_slots(
-                config, self.settings.cpu_bytes, self.blocks_per_chunk, shared_rows=self.tiered
+                config,
+                self.settings.cpu_bytes,
+                self.blocks_per_chunk,
+                shared_rows=self.tiered,
+                windowed=windowed_groups(config, self.group_descriptions),
             )
             if not self.tiered:
                 self.num_slots = sum(c.num_slots for c in self.slot_plan.classes)
         #: vLLM's name for the CPU tier's size in chunks (read by vLLM's tiers).
         self.num_chunks = self.num_slots
         self.identity = model_identity(config)
-        #: (group id, kind, window) of each group, when KVOffloadConnector announced them.
-        self.group_descriptions = take_announced_groups(config.engine_id)
         #: vLLM's name for the lower tiers' entries: its tiers label their metrics from it
         #: ("1:KVOffloadDiskTier", as vLLM's own series on the same server).
         self.secondary_tier_configs = secondary_tier_configs(self.settings) if self.tiered else []

@@ -118,14 +118,16 @@ def class_pools(
     layout: KVLayout,
     views: list[torch.Tensor],
 ) -> tuple[list[tuple[list[torch.Tensor], KVLayout, HostPool]], list[int]]:
-    """One host pool per slot class, and per group (position) its planes and route.
+    """One host pool per slot class, and per group (position) its planes, pool and route.
 
     A group copies the planes its layers use (vLLM's ``group_data_refs``), in
-    ref order; its class's pool has that many planes. Where a group's planes
-    do not add up to the bytes the plan gave its class (a layout the plan
-    cannot see), the group copies every plane instead and its class's pool
-    is as wide as the whole block: the slot counts stay the plan's, so slot
-    ids agree with the scheduler's, and the pool takes more memory (logged).
+    ref order, into the first planes of its class's pool (a windowed group
+    narrower than its class leaves the rest of its slots unused, as vLLM's
+    padded slots do). Where a group's planes do not fit the bytes the plan
+    gave its class (a layout the plan cannot see), every group of the class
+    copies every plane and the class's pool is as wide as the whole block:
+    the slot counts stay the plan's, so slot ids agree with the scheduler's,
+    and the pool takes more memory (logged).
     """
     row = layout.plane_row_bytes
     out: list[tuple[list[torch.Tensor], KVLayout, HostPool]] = []
@@ -136,7 +138,8 @@ def class_pools(
         for g in cls.groups:
             refs = kv_caches.group_data_refs[g] if g < len(kv_caches.group_data_refs) else []
             planes[g] = list(dict.fromkeys(r.tensor_idx for r in refs))
-        if any(len(t) * row != cls.bytes_per_block for t in planes.values()):
+        width = cls.bytes_per_block // row if cls.bytes_per_block % row == 0 else 0
+        if any(not t or len(t) > width for t in planes.values()):
             logger.warning(
                 "kvoffload: KV cache groups %s do not lay out as planned (%d bytes per block, "
                 "planes of %d bytes); their slots hold whole blocks (%d bytes)",
@@ -146,14 +149,23 @@ def class_pools(
                 row * len(views),
             )
             planes = {g: everything for g in cls.groups}
-        width = len(next(iter(planes.values())))
-        geometry = KVGeometry(width, 1, row // 2, 1, torch.uint8)
-        class_layout = KVLayout(geometry, "kv_split")
-        pool = HostPool(class_layout, cls.num_slots, plan.blocks_per_chunk, pin_memory=True)
+            width = len(views)
+        pool = HostPool(_planes_layout(width, row), cls.num_slots, plan.blocks_per_chunk)
         for g, tensors in planes.items():
+            group_layout = _planes_layout(len(tensors), row)
+            group_pool = pool
+            if len(tensors) < width:
+                group_pool = HostPool.over_tensors(
+                    group_layout, pool.tensors[: len(tensors)], pool.block_size_factor, pool.pinned
+                )
             routes[g] = len(out)
-            out.append(([views[t] for t in tensors], class_layout, pool))
+            out.append(([views[t] for t in tensors], group_layout, group_pool))
     return out, routes
+
+
+def _planes_layout(num_planes: int, row: int) -> KVLayout:
+    """``num_planes`` uint8 planes of ``row``-byte rows, as ``plane_layout`` sees vLLM's."""
+    return KVLayout(KVGeometry(num_planes, 1, row // 2, 1, torch.uint8), "kv_split")
 
 
 def _flat(pool: HostPool) -> HostPool:
