@@ -442,7 +442,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "not the policy's result)",
     )
     parser.add_argument(
-        "--policies", default="all", help=f"comma-separated, or all ({', '.join(policy_names())})"
+        "--policies",
+        default="all",
+        help=f"comma-separated, or all ({', '.join(policy_names())}); --suite also takes a "
+        "building block's class name (e.g. SievePolicy; kvoffload.offload.policies)",
     )
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's own policies")
     parser.add_argument(
