@@ -19,7 +19,8 @@ kernel returns no per-chunk states and the first long prompt fails with an
 IndexError in ``mamba_mixer2``).
 
 Engines (one job, each started once; the tests check facts of the results):
-``none`` (no connector), ``off`` (``KVOffloadConnector``, vLLM's stores),
+``none`` (no connector), ``off`` (``KVOffloadConnector``, vLLM's stores), ``stock``
+(vLLM's ``OffloadingConnector`` + ``KVOffloadSpec``),
 ``keep`` (``sliding_window_keep`` junctions + a window every 64 tokens),
 ``corrupt`` (the negative control with ``keep``'s settings: host pool
 overwritten before every load), ``disk`` (``keep`` with a 2 MiB CPU tier over
@@ -49,10 +50,8 @@ pytestmark = pytest.mark.timeout(2400)
 CPU_BYTES = "16MiB"
 #: The 2-layer sliding-window group's page of one 32-token chunk (what keeping costs per chunk).
 SW_CHUNK_BYTES = LAYER_BLOCK_BYTES * sum(t == "sliding_attention" for t in LAYER_TYPES)
-#: Connector settings of every kvoffload engine. Synchronous loads are off: with them
-#: vLLM 0.32's scheduler asserts on a hybrid model (a store issued while the sync load of
-#: the same request is pending: "assert self._jobs[any_jid].is_store").
-COMMON = {"cpu_bytes": CPU_BYTES, "sync_load_budget_bytes": 0}
+#: Connector settings of every kvoffload engine (synchronous CPU-tier loads on: the default).
+COMMON = {"cpu_bytes": CPU_BYTES}
 KEEP = {"sliding_window_keep": True, "sliding_window_keep_every": 64}
 ROUNDS = ("r1", "r2", "r3", "revisit")
 
@@ -119,6 +118,7 @@ def hybrid_run(
         dict(base, name="off", connector="kvoffload", extra_config=COMMON, kv_events=events()),
         dict(base, name="keep", connector="kvoffload", extra_config={**COMMON, **KEEP},
              kv_events=events()),
+        dict(base, name="stock", connector="stock", extra_config=COMMON),
         dict(base, name="corrupt", connector=CORRUPT, extra_config={**COMMON, **KEEP}),
         dict(base, name="disk", connector="kvoffload", extra_config=disk, kv_events=events()),
     ]  # fmt: skip
@@ -176,7 +176,7 @@ def _external(engine: dict[str, Any]) -> dict[str, int]:
     return {name: counter(engine, "external_prefix_cache_hits", name) for name in ROUNDS}
 
 
-@pytest.mark.parametrize("name", ["off", "keep", "disk"])
+@pytest.mark.parametrize("name", ["off", "stock", "keep", "disk"])
 def test_outputs_identical_to_no_connector(
     hybrid_run: dict[str, dict[str, Any]], name: str, record_property
 ) -> None:
@@ -200,6 +200,8 @@ def test_off_serves_the_revisits_from_the_cpu_tier(
     hybrid_run: dict[str, dict[str, Any]], record_property
 ) -> None:
     off = _external(hybrid_run["off"])
+    # vLLM's OffloadingConnector + KVOffloadSpec: the same stores, the same hits.
+    assert _external(hybrid_run["stock"]) == off
     record_property("off_tokens_from_kvoffload", str(off))
     print(f"off (vLLM's stores): tokens from kvoffload per round {off}")
     # The revisit reaches round 1's end, where vLLM keeps the window: every full chunk hits.
