@@ -185,17 +185,8 @@ class ChunkUnitPolicy(CachePolicy):
 
     # -- busy units (pinned in the inner policy) -------------------------------
 
-    def _busy_up(self, unit: bytes) -> None:
-        b = self._busy.get(unit, 0)
-        self._busy[unit] = b + 1
-        if b == 0:
-            held = self._nheld.get(unit)
-            if held:
-                self.inner.pin([unit])
-                self._idle -= held
-
     def _busy_up_all(self, keys: Sequence[OffloadKey]) -> None:
-        """``_busy_up`` of each key's unit, with one inner ``pin`` for the lot."""
+        """One more busy key per key's unit; units that became busy: one inner ``pin``."""
         busy, nheld = self._busy, self._nheld
         to_pin: list[bytes] = []
         for key in keys:
@@ -209,7 +200,7 @@ class ChunkUnitPolicy(CachePolicy):
             self._idle -= sum(map(nheld.__getitem__, to_pin))
 
     def _busy_down_all(self, keys: Sequence[OffloadKey]) -> None:
-        """``_busy_down`` of each key's unit, with one inner ``unpin`` for the lot."""
+        """One busy key less per key's unit; units that became idle: one inner ``unpin``."""
         busy, nheld = self._busy, self._nheld
         to_unpin: list[bytes] = []
         for key in keys:
@@ -224,17 +215,6 @@ class ChunkUnitPolicy(CachePolicy):
         if to_unpin:
             self.inner.unpin(to_unpin)
             self._idle += sum(map(nheld.__getitem__, to_unpin))
-
-    def _busy_down(self, unit: bytes) -> None:
-        b = self._busy[unit] - 1
-        if b:
-            self._busy[unit] = b
-            return
-        del self._busy[unit]
-        held = self._nheld.get(unit)
-        if held:
-            self.inner.unpin([unit])
-            self._idle += held
 
     # -- held / dead -------------------------------------------------------------
 
@@ -424,8 +404,8 @@ class ChunkUnitPolicy(CachePolicy):
         ``abandon`` the new keys are pending and their units busy (so a chunk
         is not evicted to make room for its own other groups). Returns the
         victims (dead keys first, then whole units; possibly a few more than
-        ``need``: a unit goes whole), or None, with nothing changed, when
-        ``need`` keys cannot be freed without touching busy units or the
+        ``need``: a unit goes whole), or None, with nothing evicted or pending,
+        when ``need`` keys cannot be freed without touching busy units or the
         store's own stored keys.
         """
         self._pending.update(new)
@@ -481,13 +461,14 @@ class ChunkUnitPolicy(CachePolicy):
     def abandon(self, keys: Iterable[OffloadKey]) -> None:
         """A store of ``keys`` failed (or was refused): they are no longer pending."""
         pending = self._pending
-        for key in keys:
-            if key in pending:
-                pending.discard(key)
-                unit = key[:-_SUFFIX]
-                self._busy_down(unit)
-                if unit not in self._members and unit not in self._busy:
-                    self._forget_unit(unit)
+        done = [k for k in keys if k in pending]
+        pending.difference_update(done)
+        self._busy_down_all(done)
+        members, busy = self._members, self._busy
+        for key in done:
+            unit = key[:-_SUFFIX]
+            if unit not in members and unit not in busy:
+                self._forget_unit(unit)
 
     def _hint_continuations(self, offered: Sequence[OffloadKey]) -> None:
         """New keys that continue stored ones: the chain diverges or goes on there."""
