@@ -41,10 +41,10 @@ The protocol (``open_shared_region``):
    dropped; a process that was the last holder of a file that is still named
    (a start-up that failed before everyone arrived) removes the name.
 
-Left alone: a process that maps the region after the name is gone (none does
-in vLLM 0.32 / 0.33: workers map during KV-cache registration, the scheduler
-afterwards) would create a fresh file; the expected count makes that file
-stale (never completed) rather than shared.
+Left alone: a process that maps the region after the name is gone would
+create a fresh file of its own and not share the engine's memory. None does
+in vLLM 0.32 / 0.33: every worker maps during KV-cache registration, which
+vLLM finishes on all workers before it builds the scheduler, the last to map.
 """
 
 from __future__ import annotations
