@@ -162,8 +162,9 @@ class WindowKeep:
             hit = lookup(listed, req_context, req, group_config, start)
             # The next key missed: the prompts part here. A deferred lookup (None)
             # says nothing yet; a full hit is no divergence.
-            diverged = self.config.junctions and hit is not None and 0 < hit < len(listed)
-            if diverged and self.junctions.add(listed[hit - 1]):  # type: ignore[operator]
+            if not self.config.junctions or hit is None:
+                return hit
+            if 0 < hit < len(listed) and self.junctions.add(listed[hit - 1]):
                 self.stats.junctions += 1
             return hit
 
