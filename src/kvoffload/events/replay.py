@@ -26,7 +26,9 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -41,7 +43,7 @@ END_SEQ: bytes = (-1).to_bytes(8, "big", signed=True)
 #: Open replay requests served at once; more get the end marker at once.
 MAX_REPLAY_JOBS = 1024
 #: Replay messages one client may have queued in ZMQ before its job waits.
-REPLAY_CLIENT_HWM = 128
+REPLAY_CLIENT_HWM = 32
 #: A replay that cannot send for this long (its client does not read) is abandoned.
 REPLAY_STALL_S = 30.0
 # How long a parked job (full pipe) waits before it tries again.
@@ -50,6 +52,8 @@ _RETRY_S = 0.005
 _IDLE_POLL_MS = 100
 # Replay messages sent between looks for new requests.
 _BURST = 64
+#: How much nicer than the process the replay thread runs (Linux).
+REPLAY_NICE = 10
 
 
 def seq_to_bytes(seq: int) -> bytes:
@@ -58,6 +62,17 @@ def seq_to_bytes(seq: int) -> bytes:
 
 def seq_from_bytes(data: bytes) -> int:
     return int.from_bytes(data, "big")
+
+
+def _lower_priority() -> None:
+    """Make the calling thread yield the CPU to the live path (Linux: a thread's nice).
+
+    On a busy host the live thread, its ZMQ I/O thread and the subscribers
+    compete with replay for cores; replay is the one that can wait.
+    """
+    # Not Linux, or not permitted: serve at the process's priority.
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), REPLAY_NICE)
 
 
 class ReplayBuffer:
@@ -181,6 +196,7 @@ class ReplayServer:
     # -- replay thread -----------------------------------------------------------
 
     def _run(self) -> None:
+        _lower_priority()
         try:
             while not self._stop.is_set():
                 self._serve_once()
