@@ -478,7 +478,9 @@ def _workloads(
 
 def _table(report: dict[str, object]) -> list[str]:
     lines = [
-        f"{'workload':<20} {'cap':>5} {'slots':>7}  " + "  ".join(f"{r:>24}" for r in ROWS),
+        f"{'workload':<20} {'cap':>5} {'slots':>7}  "
+        + "  ".join(f"{r:>24}" for r in ROWS)
+        + f"  {'default+units / vLLM best':>26}",
         " " * 36 + "  ".join(f"{'hit %  ops/s:lru    us/req':>24}" for _ in ROWS),
     ]
     for p in report["points"]:  # type: ignore[attr-defined]
@@ -491,9 +493,11 @@ def _table(report: dict[str, object]) -> list[str]:
                 continue
             hit, ops, us = 100 * x["hit_rate"], x["ops_vs_vllm_lru"] or 0.0, x["us_per_request"]
             cells.append(f"{hit:6.2f}% {ops:5.2f}x {us:7.0f}us")
+        ours = rows.get(ROWS[0], {}).get("hit_vs_vllm_best")
         lines.append(
             f"{p['workload']:<20} {p['capacity_fraction']:>5.0%} {p['slots']:>7}  "
             + "  ".join(cells)
+            + (f"  {ours:>25.2f}x" if ours is not None else "")
         )
     return lines
 
