@@ -131,16 +131,6 @@ def serve(engine: LLMEngine, concurrency: int, n: int, seed: int) -> list[Probe]
     return probe_prompts([r.all_token_ids for r in trace], vocab, BLOCK, seed=seed)
 
 
-# A restarted engine does not tell the indexer that its previous incarnation's
-# GPU and CPU tiers are gone: Dynamo keeps those entries (e.g. gpu/cpu/disk
-# (208, 256, 256) for a chain no tier holds). Open in issue 33 item 1
-# ("restarts follow the same rule"): an AllBlocksCleared at start, then the
-# disk tier's surviving blocks announced, would make this pass.
-RESTART_NOT_ANNOUNCED = pytest.mark.xfail(
-    reason="a restarted engine leaves its previous GPU/CPU entries in the index", strict=True
-)
-
-
 @pytest.mark.parametrize("concurrency", [1, 8])
 def test_dynamo_overlap_equals_tier_holdings(
     indexer: DynamoIndexer, tmp_path: Path, concurrency: int
@@ -170,7 +160,6 @@ def test_dynamo_overlap_equals_tier_holdings(
         engine.close()
 
 
-@RESTART_NOT_ANNOUNCED
 @pytest.mark.parametrize("concurrency", [1, 8])
 def test_dynamo_overlap_after_engine_restart(
     indexer: DynamoIndexer, tmp_path: Path, concurrency: int
