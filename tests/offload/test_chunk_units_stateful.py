@@ -75,7 +75,7 @@ class UnitMachine(RuleBasedStateMachine):
     )
     def start(self, policy: str, layout: tuple[GroupLayout, ...], slots: int) -> None:
         self.layout = layout
-        self.m = CPUOffloadingManager(slots, policy, group_layout=layout)
+        self.m = CPUOffloadingManager(slots, policy, enable_events=True, group_layout=layout)
         assert isinstance(self.m.policy, ChunkUnitPolicy)
 
     @property
@@ -123,6 +123,8 @@ class UnitMachine(RuleBasedStateMachine):
         assert out is not None
         assert out.keys_to_store == new
         victims = out.evicted_keys
+        removed = [e.keys for e in self.m.take_events() if e.removed]
+        assert removed == ([victims] if victims else [])
         assert len(set(victims)) == len(victims)
         assert len(victims) >= max(need, 0)
         if need > 0:
@@ -207,6 +209,20 @@ class UnitMachine(RuleBasedStateMachine):
         for k in keys:
             self.pins[k] += 1
         self.loads.append(keys)
+
+    @rule()
+    def reset(self) -> None:
+        """A reset forgets every chunk (and the unit layer's state) once nothing is busy."""
+        busy = bool(self.pins or self.storing)
+        assert self.m.reset_cache() is not busy
+        if not busy:
+            removed = [e.keys for e in self.m.take_events() if e.removed]
+            assert removed == ([] if not self.stored else removed[-1:])
+            assert set(removed[-1] if removed else ()) == self.stored
+            self.stored.clear()
+            self.needed.clear()
+            assert self.m.num_room_blocks() == self.m.num_blocks
+            assert isinstance(self.m.policy, ChunkUnitPolicy) and len(self.m.policy) == 0
 
     @precondition(lambda self: self.loads)
     @rule(data=st.data())
