@@ -10,6 +10,7 @@ from tests.vllm_required import need_vllm
 
 need_vllm()
 
+import logging  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -175,4 +176,17 @@ def test_windowed_groups_of_fewer_layers_share_the_widest_slots(tmp_path: Path) 
     rig = GroupsRig.build(tmp_path, layer_specs(kinds), {"cpu_bytes": "4MiB"}, CONNECTOR)
     assert [len(g.layer_names) for g in rig.groups] == [2, 2, 1]
     assert rig.worker_connector.connector_worker.spec.slot_plan.single
+    rig.shutdown()
+
+
+def test_the_start_up_line_gives_bytes_per_slot_per_group(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    kinds = [full_spec(), full_spec(), sliding_spec(32), sliding_spec(32), draft_spec()]
+    with caplog.at_level(logging.INFO, logger="vllm.kvoffload"):
+        rig = GroupsRig.build(tmp_path, layer_specs(kinds), {"cpu_bytes": "3MiB"}, CONNECTOR)
+    lines = [r.getMessage() for r in caplog.records if "kvoffload: CPU tier of" in r.getMessage()]
+    assert lines and all("\n" not in line for line in lines)
+    assert "[group 0 (2 layers), group 2 (2 layers)]: 512 slots of 4KiB" in lines[-1]
+    assert "[group 1 (1 layers)]: 512 slots of 2KiB" in lines[-1]
     rig.shutdown()
