@@ -18,7 +18,7 @@ import pytest
 
 from kvoffload.bench.vllm_engine import EngineRunError, run_engines, workload_phases
 from kvoffload.bench.vllm_hits import PROFILED
-from tests.e2e_vllm.conftest import CPU_BYTES, ENGINE_BASE, JOB_TIMEOUT_S, counter, outputs
+from tests.e2e_vllm.conftest import CPU_BYTES, ENGINE_BASE, JOB_TIMEOUT_S, outputs
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -73,7 +73,7 @@ def test_every_hit_is_computed_in_the_step_it_is_found(
     assert len(hits) == 24
     assert all(h["sync"] for h in hits)
     assert waited == [0] * 24
-    assert counter(sync_run["sync"], "external_prefix_cache_hits") > 0
+    assert sum(h["hit_tokens"] for h in hits) > 24 * 256  # prefixes of 300-600 tokens
 
 
 def test_asynchronous_loads_wait_at_least_a_step(
@@ -86,6 +86,8 @@ def test_asynchronous_loads_wait_at_least_a_step(
     assert len(hits) == 24
     assert not any(h["sync"] for h in hits)
     assert min(waited) >= 1
-    assert counter(sync_run["sync"], "external_prefix_cache_hits") == counter(
-        sync_run["async"], "external_prefix_cache_hits"
+    # The same hits, loaded the other way (vLLM's counters are per process, not per
+    # engine, with three engines in one: the profile counts the tokens).
+    assert sorted(h["hit_tokens"] for h in hits) == sorted(
+        h["hit_tokens"] for h in _hits(sync_run["sync"])
     )
