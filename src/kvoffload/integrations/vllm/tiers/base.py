@@ -109,6 +109,8 @@ class KVOffloadTierBase(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.tier_config = tier_config
         self.locality = own_keys.get("locality", self.DEFAULT_LOCALITY)
+        # A shared tier's id in its KV events (the Redis tier's namespace); None: not shared.
+        self.event_ownership: str | None = None
         self.label = tier_label_of(offloading_spec, tier_type)
         self.row_bytes = self.block_size_bytes
         num_rows = primary_kv_view.shape[0] if primary_kv_view.shape else 0
@@ -182,7 +184,11 @@ class KVOffloadTierBase(SecondaryTierManager):
         if keys and self._events_on:
             self._events.append(
                 OffloadingEvent(
-                    keys=keys, medium=self.medium, removed=removed, locality=self.locality
+                    keys=keys,
+                    medium=self.medium,
+                    removed=removed,
+                    locality=self.locality,
+                    ownership=self.event_ownership,
                 )
             )
 

@@ -284,6 +284,7 @@ class KVOffloadRedisTier(KVOffloadTierBase):
         except BaseException:
             super().shutdown()
             raise
+        self.event_ownership = self.store.ownership  # instances sharing it share this id
         self.checks = PresenceChecks(f"kvoffload-{tier_type}", self.store.contains_many)
         self._announced: OrderedDict[OffloadKey, None] = OrderedDict()
         self._bad_seen = 0
