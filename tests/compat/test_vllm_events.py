@@ -33,6 +33,7 @@ from kvoffload.events.types import (  # noqa: E402
     KVEventBatch,
     encode_batch,
 )
+from tests.conftest_redis import redis_server, redis_server_factory  # noqa: E402, F401
 
 LOOPBACK_ANY = "tcp://127.0.0.1:*"
 TOPIC = "kv-events"
@@ -624,3 +625,37 @@ def test_vllm_connectors_publish_self_describing_cpu_and_disk_stores(
             described[where] = described.get(where, 0) + 1
     assert described.get(("CPU", None)), described
     assert described.get(("STORAGE", "LOCAL")), described
+
+
+@pytest.mark.redis
+def test_vllm_redis_tier_announces_its_shared_ownership(tmp_path, redis_server) -> None:  # noqa: F811
+    # The shared tier's stores and removals carry the namespace's id, the same one
+    # kvoffload's own engine sends (RedisBlockStore.ownership), and are self-describing.
+    from tests.conftest_redis import free_port
+    from tests.integrations.test_vllm_engine import BLOCK_BYTES, evict_and_return
+    from tests.integrations.vllm_rig import VLLMRig
+
+    port = free_port()
+    extra = {
+        "cpu_bytes": 6 * BLOCK_BYTES,
+        "redis_url": redis_server.url,
+        "self_describing_kv_events": True,
+    }
+    rig = VLLMRig.build(tmp_path, extra_config=extra, kv_events_endpoint=f"tcp://*:{port}")
+    sock = _subscriber(f"tcp://127.0.0.1:{port}")
+    try:
+        evict_and_return(rig)
+        events = _drain_vllm(sock)
+        (tier,) = rig.manager.secondary_tiers
+        owner = tier.store.ownership
+    finally:
+        sock.close(linger=0)
+        rig.shutdown()
+    remote = [
+        e
+        for e in events
+        if isinstance(e, vk.BlockStored) and (e.medium, e.locality) == ("STORAGE", "REMOTE")
+    ]
+    assert remote, "the Redis tier announced nothing"
+    assert owner.startswith("redis:") and {e.ownership for e in remote} == {owner}
+    assert all(e.block_size == 16 and e.token_ids for e in remote)
