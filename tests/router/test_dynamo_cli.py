@@ -24,8 +24,9 @@ from kvoffload.bench.workload import generate_trace
 from kvoffload.engine.config import EngineConfig
 from kvoffload.engine.model_runner import peek_vocab_size
 from tests.conftest_redis import free_port
+from tests.router.conftest import register_when_bound
 from tests.router.stream import StreamHoldings
-from tests.router.test_dynamo_engine import BLOCK, MODEL, register, run_flags, wait_indexed
+from tests.router.test_dynamo_engine import BLOCK, MODEL, run_flags, wait_indexed
 from tests.router.truth import Probe, probe_prompts
 
 REQUESTS = 40
@@ -46,7 +47,7 @@ def test_kvoffload_run_is_indexed_exactly(
     indexer: DynamoIndexer, tmp_path: Path, concurrency: int
 ) -> None:
     port, replay = free_port(), free_port()
-    register(indexer.client, port, replay)
+    registrar = register_when_bound(indexer.client, 1, port, replay, MODEL, BLOCK)
     tracker = StreamHoldings(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}")
     flags = run_flags(tmp_path / "disk", port, replay, concurrency)
     try:
@@ -57,6 +58,7 @@ def test_kvoffload_run_is_indexed_exactly(
             timeout=600,
         )
         assert proc.returncode == 0, proc.stderr[-2000:]
+        registrar.join(timeout=60)
         wait_indexed(indexer.client)
         vocab = peek_vocab_size(EngineConfig())
         trace = list(generate_trace(demo_workload(vocab, REQUESTS, seed=0)))

@@ -25,6 +25,7 @@ import pytest
 from kvoffload.bench.route_indexer import DynamoIndexer, TierOverlap
 from kvoffload.bench.vllm_engine import EngineRunError, find_engine_python, run_engines
 from tests.conftest_redis import free_port
+from tests.router.conftest import register_when_bound
 from tests.router.stream import StreamHoldings
 from tests.router.test_dynamo_engine import wait_indexed
 
@@ -86,8 +87,8 @@ def test_dynamo_indexes_kvoffloads_cpu_tier_behind_vllm(
     )
     port, replay = free_port(), free_port()
     live, rep = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}"
-    indexer.client.register(1, live, rep, MODEL, BS)
     tracker = StreamHoldings(live, rep)
+    registrar = register_when_bound(indexer.client, 1, port, replay, MODEL, BS)
     first, second = prompts(1), prompts(2)
     spec: dict[str, Any] = {
         "name": "kvoffload",
@@ -116,6 +117,7 @@ def test_dynamo_indexes_kvoffloads_cpu_tier_behind_vllm(
             run_engines(python, [spec], timeout_s=900, on_progress=count)
         except EngineRunError as exc:
             pytest.fail(f"after {done[0]} work units: {exc}", pytrace=False)
+        registrar.join(timeout=60)
         wait_indexed(indexer.client)
         probes = first + second + perturbed(first + second, 3)
         gpu_differs, other_differs, cpu_indexed = 0, [], 0
