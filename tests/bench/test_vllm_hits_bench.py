@@ -51,8 +51,22 @@ def test_engines_same_prompts_device_cache_sizes(tmp_path: Path) -> None:
 
 
 PROFILE = [
-    {"kind": "hit", "steps_waited": 0, "lookup_s": 1e-4, "alloc_s": 2e-4, "sync": True},
-    {"kind": "hit", "steps_waited": 2, "lookup_s": 3e-4, "alloc_s": 2e-4, "sync": False},
+    {
+        "kind": "hit",
+        "steps_waited": 0,
+        "wait_s": 5e-4,
+        "lookup_s": 1e-4,
+        "alloc_s": 2e-4,
+        "sync": True,
+    },
+    {
+        "kind": "hit",
+        "steps_waited": 2,
+        "wait_s": 7.5e-3,
+        "lookup_s": 3e-4,
+        "alloc_s": 2e-4,
+        "sync": False,
+    },
     {"kind": "load_step", "start_s": 2e-3, "load_bytes": 10**7},
     {"kind": "load_step", "start_s": 1e-4, "load_bytes": 10**7},
     {"kind": "load_done", "bytes": 10**7, "seconds": 1e-3},
@@ -67,6 +81,7 @@ def test_profile_summary_per_hit_means_and_gbps() -> None:
     s = profile_summary(PROFILE)
     assert (s["hits"], s["sync_hits"]) == (2, 1)
     assert s["steps_waited_mean"] == 1.0 and s["steps_waited_max"] == 2
+    assert s["wait_ms_mean"] == pytest.approx(4.0)
     assert s["load_gbps"] == pytest.approx(10.0)
     assert s["bulk_gbps"] == pytest.approx(20.0)
     assert s["bulk_hot_gbps"] == pytest.approx(40.0)

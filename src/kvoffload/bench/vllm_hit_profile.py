@@ -9,9 +9,9 @@ the call, nothing inside changed) and one JSON line appended to
 
 - scheduler side, once per request that hit kvoffload's tier, when it is
   scheduled: ``{"kind": "hit", "lookup_s", "alloc_s", "steps_waited",
-  "hit_tokens", "sync"}``. ``steps_waited``: engine steps between the first
-  lookup that found the hit and the step that computes the request (0: the
-  same step);
+  "wait_s", "hit_tokens", "sync"}``. ``steps_waited``: engine steps between
+  the first lookup that found the hit and the step that computes the request
+  (0: the same step); ``wait_s``: the time between the two;
 - scheduler side, per step: ``{"kind": "sched_step", "meta_s",
   "update_s"}`` (metadata building, worker-output handling), only for steps
   that carried or finished a load;
@@ -63,7 +63,8 @@ class ProfiledKVOffloadConnector(KVOffloadConnector):
         side = "scheduler" if self.connector_scheduler is not None else "worker"
         self._sink = _Sink(side)
         self._step = 0
-        # scheduler side: req id -> [first hit step, lookup s, alloc s, hit tokens, sync]
+        # scheduler side: req id -> [first hit step, lookup s, alloc s, hit tokens, sync,
+        # time of the first lookup that found the hit]
         self._hits: dict[str, list[Any]] = {}
         self._step_had_load = False
         # worker side
@@ -84,7 +85,7 @@ class ProfiledKVOffloadConnector(KVOffloadConnector):
         hit, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         dt = time.perf_counter() - t
         if hit:
-            entry = self._hits.setdefault(request.request_id, [self._step, 0.0, 0.0, 0, False])
+            entry = self._hits.setdefault(request.request_id, [self._step, 0.0, 0.0, 0, False, t])
             entry[1] += dt
             entry[3] = hit
             entry[4] = not is_async
@@ -111,6 +112,9 @@ class ProfiledKVOffloadConnector(KVOffloadConnector):
                     kind="hit",
                     req_id=req_id,
                     steps_waited=self._step - entry[0],
+                    # From the lookup that found the hit to the end of the step's
+                    # scheduling: the wait before the request is computed.
+                    wait_s=time.perf_counter() - entry[5],
                     lookup_s=entry[1],
                     alloc_s=entry[2],
                     hit_tokens=entry[3],

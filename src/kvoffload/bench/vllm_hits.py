@@ -148,6 +148,7 @@ def profile_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         "sync_hits": sum(1 for h in hits if h["sync"]),
         "steps_waited_mean": statistics.fmean(h["steps_waited"] for h in hits) if hits else 0.0,
         "steps_waited_max": max((h["steps_waited"] for h in hits), default=0),
+        "wait_ms_mean": 1e3 * statistics.fmean(h.get("wait_s", 0.0) for h in hits) if hits else 0.0,
         "load_mb_mean": load_bytes / max(len(done), 1) / 1e6,
         "load_gbps": load_gbps,
         "bulk_gbps": bulk_gbps,
@@ -305,7 +306,7 @@ def print_report(report: dict[str, Any], breakdown: bool) -> None:
         "mean ms",
         "x device hit",
         "gap closed",
-        "steps waited",
+        "steps, ms waited",
         "load MB",
         "load GB/s",
         "bulk GB/s",
@@ -318,7 +319,8 @@ def print_report(report: dict[str, Any], breakdown: bool) -> None:
         extra = ["", "", "", "", "", ""]
         if prof:
             extra = [
-                f"{prof['steps_waited_mean']:.2f} (max {prof['steps_waited_max']})",
+                f"{prof['steps_waited_mean']:.2f} (max {prof['steps_waited_max']}), "
+                f"{prof['wait_ms_mean']:.1f} ms",
                 f"{prof['load_mb_mean']:.1f}",
                 f"{prof['load_gbps']:.1f}",
                 f"{prof['bulk_gbps']:.1f}" if prof["bulk_gbps"] else "-",
