@@ -16,6 +16,7 @@ assumed: the engine's own hashes are used as they are.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 
@@ -42,7 +43,12 @@ class StreamHoldings:
     """Subscribes to ``endpoint`` (replaying from seq 0) and counts copies per tier."""
 
     def __init__(self, endpoint: str, replay: str | None, topic: str = "") -> None:
-        self.sub = KVEventSubscriber(endpoint, replay, topic, start_seq=0)
+        # A stream starts at a restart-safe seq far above 0. With the default
+        # max_gap a subscriber that joins after its first batches takes the
+        # first one it sees as the start and never asks for the earlier ones
+        # (seen: 1 run in 3 of `kvoffload run`); any gap is replayed here, and
+        # the replay's answer says where the stream starts.
+        self.sub = KVEventSubscriber(endpoint, replay, topic, start_seq=0, max_gap=1 << 62)
         self.copies: Counter[tuple[str, object]] = Counter()
         self.chain: dict[tuple[object, tuple[int, ...]], object] = {}
         self.stores: Counter[str] = Counter()
@@ -86,6 +92,20 @@ class StreamHoldings:
                 self.chain[(parent, tuple(event.token_ids[i * per : (i + 1) * per]))] = h
             self.copies[(tier, h)] += 1
             parent = h
+
+    def settle(self, quiet_s: float = 2.0, limit_s: float = 60.0) -> None:
+        """Until no batch arrived for ``quiet_s`` (longer than the subscriber's
+        replay timeout, so batches held behind a replay are handed out)."""
+        deadline = time.monotonic() + limit_s
+        last, since = -1, time.monotonic()
+        while time.monotonic() < deadline:
+            with self._lock:
+                n = self.batches
+            if n != last:
+                last, since = n, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                return
+            time.sleep(0.1)
 
     def overlap(self, token_ids: Sequence[int], block_size: int) -> TierOverlap:
         """Dynamo's staged answer for ``token_ids`` over the copy-counted holdings."""

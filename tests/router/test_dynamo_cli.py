@@ -60,6 +60,7 @@ def test_kvoffload_run_is_indexed_exactly(
         assert proc.returncode == 0, proc.stderr[-2000:]
         registrar.join(timeout=60)
         wait_indexed(indexer.client)
+        tracker.settle()
         vocab = peek_vocab_size(EngineConfig())
         trace = list(generate_trace(demo_workload(vocab, REQUESTS, seed=0)))
         probes = probe_prompts([r.all_token_ids for r in trace], vocab, BLOCK, seed=concurrency)

@@ -119,6 +119,7 @@ def test_dynamo_indexes_kvoffloads_cpu_tier_behind_vllm(
             pytest.fail(f"after {done[0]} work units: {exc}", pytrace=False)
         registrar.join(timeout=60)
         wait_indexed(indexer.client)
+        tracker.settle()
         probes = first + second + perturbed(first + second, 3)
         gpu_differs, other_differs, cpu_indexed = 0, [], 0
         for p in probes:
