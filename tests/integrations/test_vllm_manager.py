@@ -164,3 +164,13 @@ def test_a_store_the_tier_declines_is_not_stored() -> None:
     assert all(m.lookup(key(i), ctx()) is HIT for i in range(4))
     store(m, [key(9)])  # the second sighting is admitted
     assert m.lookup(key(9), ctx()) is HIT
+
+
+def test_a_cpu_tier_hit_is_counted_as_host_memory() -> None:
+    """vLLM's per-source counter puts kvoffload's CPU-tier hits under "host", as its own CPU tier's."""
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    m = cpu_only()
+    store(m, [key(1)])
+    assert m.lookup(key(1), ctx()) is HIT
+    assert m.get_load_source(key(1), ctx()) is CacheHitSource.HOST

@@ -42,6 +42,7 @@ from vllm.v1.kv_offload.base import (
     ScheduleEndContext,
     make_offload_key,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvoffload.integrations.vllm.class_managers import ClassedCPUManager
 from kvoffload.integrations.vllm.store_threshold import StoreThreshold
@@ -227,6 +228,11 @@ class KVOffloadManager(OffloadingManager):
         if cpu.is_storing(key):
             return LookupResult.HIT_PENDING
         return LookupResult.MISS
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        # Every block this manager loads comes from host memory; vLLM's default
+        # ("external_unspecified") is for managers that cannot tell.
+        return CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         ordered = list(keys)
