@@ -221,6 +221,9 @@ def test_hit_sources_follow_vllms_categories(served: dict[str, Any]) -> None:
     assert metric(disk, BY_SOURCE, source="disk") > 0
     assert metric(redis, BY_SOURCE, source="external_unspecified") > 0
     assert metric(redis, BY_SOURCE, source="disk") == 0
+    cpu = served["metrics"]["cpu"]
+    assert metric(cpu, BY_SOURCE, source="host") > 0
+    assert metric(cpu, BY_SOURCE, source="external_unspecified") == 0
 
 
 def test_no_shm_region_outlives_the_start_or_the_server(served: dict[str, Any]) -> None:
