@@ -35,6 +35,7 @@ from kvoffload.integrations.vllm.window_keep import (  # noqa: E402
     WindowKeepConfig,
 )
 from tests.integrations.vllm_groups_rig import (  # noqa: E402
+    KVOFFLOAD_SPEC,
     STOCK,
     VLLM_CPU_SPEC,
     GroupsRig,
@@ -160,6 +161,15 @@ def test_loaded_bytes_are_what_each_groups_layers_held(runs: dict[str, GroupsRig
 def test_bad_values_are_one_line_errors(extra: dict[str, Any], match: str) -> None:
     with pytest.raises(KVOffloadConfigError, match=match) as info:
         WindowKeepConfig.from_extra_config(extra)
+    assert "\n" not in str(info.value)
+
+
+def test_behind_vllms_stock_connector_the_keys_are_refused(tmp_path: Path) -> None:
+    """vLLM's OffloadingConnector cannot add stores: the keys would be accepted and ignored."""
+    extra = {"cpu_bytes": "8MiB", "sliding_window_keep": True, **KVOFFLOAD_SPEC}
+    with pytest.raises(KVOffloadConfigError, match="need KVOffloadConnector") as info:
+        rig = GroupsRig.build(tmp_path / "stock", SPECS, extra, STOCK, instant=True)
+        rig.shutdown()
     assert "\n" not in str(info.value)
 
 

@@ -47,7 +47,7 @@ from kvoffload.integrations.vllm.sync_loads import (
     kv_bytes_per_token,
     native_sync_loads,
 )
-from kvoffload.integrations.vllm.window_keep import install_window_keep
+from kvoffload.integrations.vllm.window_keep import connector_build, install_window_keep
 from kvoffload.integrations.vllm.worker import KVOffloadWorker
 
 SPEC_NAME = "KVOffloadSpec"
@@ -105,7 +105,8 @@ class KVOffloadConnector(OffloadingConnector):
         # the request hangs (see tests/integrations/test_vllm_load_failure.py).
         if not getattr(vllm_config.scheduler_config, "async_scheduling", False):
             extra.setdefault(BUDGET_KEY, DEFAULT_SYNC_LOAD_BUDGET_BYTES)
-        super().__init__(vllm_config, role, kv_cache_config)
+        with connector_build():
+            super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_worker is not None:
             spec = self.connector_worker.spec
             assert isinstance(spec, KVOffloadSpec)

@@ -51,6 +51,7 @@ from kvoffload.integrations.vllm.settings import (
     parse_settings,
 )
 from kvoffload.integrations.vllm.shm_lifetime import open_shared_region
+from kvoffload.integrations.vllm.window_keep import check_reachable as check_window_keep_reachable
 from kvoffload.integrations.vllm.worker import KVOffloadWorker, class_pools, plane_layout
 from kvoffload.offload import CPUOffloadingManager
 from kvoffload.transfer import HostPool, KVLayout, format_bytes
@@ -128,6 +129,7 @@ class KVOffloadSpec(OffloadingSpec):
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         self.settings: KVOffloadSettings = parse_settings(self.extra_config)
+        check_window_keep_reachable(self.extra_config)
         world = max(1, config.parallel.world_size)
         slot_bytes = config.worker_kv_bytes_per_block * self.blocks_per_chunk
         self.tiered = self.settings.has_lower_tiers

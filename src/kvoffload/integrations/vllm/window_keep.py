@@ -39,7 +39,8 @@ from __future__ import annotations
 import logging
 import sys
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,32 @@ KEEP_KEY = "sliding_window_keep"
 EVERY_KEY = "sliding_window_keep_every"
 #: Junction keys remembered (a 16-byte-ish key each: a few MiB at most).
 MAX_JUNCTIONS = 1 << 16
+#: Nesting depth of ``KVOffloadConnector`` building vLLM's connector (and so the spec).
+_connector_builds = 0
+
+
+@contextmanager
+def connector_build() -> Iterator[None]:
+    """Marks the span in which ``KVOffloadConnector`` builds vLLM's connector and spec."""
+    global _connector_builds
+    _connector_builds += 1
+    try:
+        yield
+    finally:
+        _connector_builds -= 1
+
+
+def check_reachable(extra: Mapping[str, Any]) -> None:
+    """Refuse the window-keep keys where nothing would act on them.
+
+    Only ``KVOffloadConnector`` reaches vLLM's scheduler to add stores; behind
+    vLLM's stock ``OffloadingConnector`` the keys would be accepted and ignored.
+    """
+    if _connector_builds == 0 and WindowKeepConfig.from_extra_config(extra).enabled:
+        raise KVOffloadConfigError(
+            f"kv_connector_extra_config[{KEEP_KEY!r}] / [{EVERY_KEY!r}]: extra sliding-window "
+            "stores need KVOffloadConnector (vLLM's OffloadingConnector cannot add them)"
+        )
 
 
 @dataclass(frozen=True)
