@@ -37,6 +37,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "events": ("kvoffload.bench.events", "KV event publish/decode rates, vllm vs legacy profile"),
     "route": ("kvoffload.bench.route", "N engines behind a KV-aware router vs round robin, random"),
     "hybrid": ("kvoffload.bench.hybrid_replay", "KV cache groups: chunk units vs vLLM's lru / arc"),
+    "hybrid-sched": ("kvoffload.bench.hybrid_sched", "hybrid groups on vLLM's real scheduler"),
     "vllm": (
         "kvoffload.bench.vllm_engine",
         "a real vLLM engine on the CPU, offload off vs on (cached tokens, TTFT, identity)",
