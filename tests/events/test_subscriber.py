@@ -250,3 +250,50 @@ def test_bad_replay_endpoint_is_an_oserror_and_leaks_no_socket() -> None:
     worker.join(30)
     assert not worker.is_alive(), "constructing the subscriber hung"
     assert errors and "notaport" in str(errors[0])
+
+
+def test_a_restarted_publishers_first_batches_missed_live_come_from_its_replay() -> None:
+    """A publisher restarted at a restart-safe seq far ahead: the batches SUB missed while
+    joining are taken from its replay buffer, not dropped with the resync."""
+    big = 5_000_000_000
+    new_stream = [(s, _payload(s)) for s in range(big, big + 4)]
+    fake = FakePublisher(new_stream)
+    try:
+        with KVEventSubscriber(fake.endpoint, fake.replay_endpoint, TOPIC) as sub:
+            fake.wait_subscriber()
+            fake.send(0, _payload(0))
+            fake.send(1, _payload(1))
+            first_epoch = _collect(sub, 1)
+            # The restarted publisher's big .. big+2 went out before SUB joined it.
+            fake.send(big + 3, _payload(big + 3))
+            fake.send(big + 4, _payload(big + 4))
+            got = _collect(sub, big + 4)
+    finally:
+        fake.close()
+    assert [r.seq for r in first_epoch] == [0, 1]
+    assert [(r.seq, r.replayed) for r in got] == [
+        (big, True),
+        (big + 1, True),
+        (big + 2, True),
+        (big + 3, False),
+        (big + 4, False),
+    ]
+    assert fake.requests == [2]
+    assert sub.lost_ranges == []
+    assert sub.stats.resyncs == 1
+
+
+def test_a_bad_seq_far_ahead_still_resyncs_without_a_huge_loss() -> None:
+    fake = FakePublisher([(s, _payload(s)) for s in range(0, 3)])
+    bad = (1 << 63) - 5
+    try:
+        with KVEventSubscriber(fake.endpoint, fake.replay_endpoint, TOPIC) as sub:
+            fake.wait_subscriber()
+            fake.send(0, _payload(0))
+            fake.send(bad, _payload(bad))
+            got = _collect(sub, bad)
+    finally:
+        fake.close()
+    assert [r.seq for r in got] == [0, bad]
+    assert sub.lost_ranges == []
+    assert sub.stats.resyncs == 1

@@ -105,6 +105,9 @@ class _Replay:
     live: tuple[int, bytes] | None
     deadline: float
     got: list[tuple[int, bytes]] = field(default_factory=list)
+    # Asked after a jump (a new epoch): only a stream that starts far ahead of
+    # ``first`` (a restarted publisher's) belongs to it.
+    resync: bool = False
 
 
 # Raw entries still to decode, in order: (seq, payload, replayed, epoch).
@@ -279,6 +282,13 @@ class KVEventSubscriber:
         elif seq > expected:
             if seq - expected > self._max_gap:
                 self._resync(expected, seq, "jumped")
+                if self._dealer is not None:
+                    # A restarted publisher starts at a restart-safe seq far
+                    # ahead; its first batches (missed while SUB was joining)
+                    # are in its replay buffer. One try, whatever the backoff:
+                    # a resync is rare.
+                    self._start_replay(expected, (seq, payload), resync=True)
+                    return
                 self._accept(seq, payload)
             else:
                 self._gap(expected, seq, payload)
@@ -344,9 +354,12 @@ class KVEventSubscriber:
 
     # -- replay -----------------------------------------------------------------
 
-    def _start_replay(self, first: int, live: tuple[int, bytes] | None) -> None:
+    def _start_replay(
+        self, first: int, live: tuple[int, bytes] | None, *, resync: bool = False
+    ) -> None:
         assert self._dealer is not None
-        self._replay = _Replay(first, live, time.monotonic() + self._replay_timeout_s)
+        deadline = time.monotonic() + self._replay_timeout_s
+        self._replay = _Replay(first, live, deadline, resync=resync)
         try:
             # The empty delimiter makes the request look like REQ's, which
             # vLLM's publisher requires; replies then carry it too.
@@ -411,6 +424,8 @@ class KVEventSubscriber:
             while end in got:
                 end += 1
             got = {s: p for s, p in got.items() if s < end}
+        if replay.resync:
+            got = {s: p for s, p in got.items() if s - first > self._max_gap}
         if got and min(got) - first > self._max_gap:
             # Not a believable gap (as live): the stream starts there, e.g. an
             # engine's restart-safe first seq asked for "from seq 0".
@@ -429,7 +444,7 @@ class KVEventSubscriber:
             self._expected = cursor
         if live_seq is not None:
             self._saw_live(live_seq)
-        if live_seq is not None:
+        if live_seq is not None and first < live_seq:
             recovered = sum(1 for s in got if first <= s < live_seq)
             self._report(first, live_seq - 1, recovered, lost_before)
         elif got and min(got) > first:
