@@ -61,7 +61,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -72,6 +72,11 @@ from tests.integrations.vllm_rig import (
     make_request,
     vllm_config,
     write_tiny_llama,
+)
+from tests.integrations.vllm_step_parts import (
+    finish_worker_step,
+    has_pending_work,
+    runner_output,
 )
 
 LAYOUT = "LBHNC"
@@ -407,29 +412,14 @@ class GroupsRig:
             worker = wc.connector_worker.worker
             worker.wait_all(timeout=60)
             self._compute(output)
-            wc.wait_for_save()
-            before = set(self._pending)
-            finished_sending, finished_recving = wc.get_finished(output.finished_req_ids)
-            self._verify([j for j in before if j not in worker.in_flight_job_ids()])
-            connector_output = KVConnectorOutput(
-                finished_sending=finished_sending,
-                finished_recving=finished_recving,
-                invalid_block_ids=wc.get_block_ids_with_load_errors(),
-                kv_connector_worker_meta=wc.build_connector_worker_meta(),
+            connector_output = finish_worker_step(
+                wc,
+                output.finished_req_ids,
+                self._pending,
+                worker.in_flight_job_ids,
+                self._verify,
             )
-            wc.clear_connector_metadata()
-        req_ids = list(output.num_scheduled_tokens)
-        sampled = []
-        for req_id in req_ids:
-            request = self.scheduler.requests.get(req_id)
-            done_now = request is not None and request.num_computed_tokens >= request.num_tokens
-            sampled.append([7] if done_now else [])
-        runner = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=connector_output,
-        )
+        runner = runner_output(self.scheduler, output, connector_output)
         self.scheduler.update_from_output(output, runner)
         return output
 
@@ -449,9 +439,7 @@ class GroupsRig:
             return False
         if self.worker_connector.connector_worker.worker.num_in_flight() > 0:
             return True
-        manager = self.scheduler.connector.connector_scheduler.manager  # type: ignore[union-attr]
-        pending = getattr(manager, "has_pending_work", None)
-        return bool(pending()) if pending is not None else False
+        return has_pending_work(self.scheduler)
 
     def shutdown(self) -> None:
         if self.scheduler.connector is not None:

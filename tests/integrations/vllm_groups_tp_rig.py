@@ -16,17 +16,14 @@ with vLLM's ``KVOutputAggregator``), and, with lower tiers, vLLM's
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 import time
 import uuid
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import ModelRunnerOutput
 
 from tests.integrations.vllm_groups_rig import (
     KINDS,
@@ -37,9 +34,15 @@ from tests.integrations.vllm_groups_rig import (
     layer_specs,
     load_blocks,
 )
+from tests.integrations.vllm_rank_pool import STEP_TIMEOUT_S, RankPool
 from tests.integrations.vllm_rig import BLOCK_SIZE, make_request, write_tiny_llama
+from tests.integrations.vllm_step_parts import (
+    finish_worker_step,
+    has_pending_work,
+    runner_output,
+)
 
-STEP_TIMEOUT_S = 600.0
+__all__ = ["STEP_TIMEOUT_S", "GroupsTPRig", "GroupsWorkerPool", "rank_specs"]
 
 
 def rank_specs(kind: str, tp: int) -> dict[str, Any]:
@@ -97,8 +100,6 @@ class _Rank:
                     self.blocks_verified += 1
 
     def step(self, meta: Any, loads: dict[int, Any], writes: list[Any], finished: set[str]) -> Any:
-        from vllm.v1.outputs import KVConnectorOutput
-
         wc = self.connector
         wc.bind_connector_metadata(meta)
         wc.handle_preemptions(meta)
@@ -107,19 +108,9 @@ class _Rank:
         self.worker.wait_all(timeout=60)
         for g, block_id, block_hash in writes:
             self.patterns.write(g, block_id, block_hash)
-        wc.wait_for_save()
-        before = set(self.pending)
-        finished_sending, finished_recving = wc.get_finished(finished)
-        in_flight = self.worker.in_flight_job_ids()
-        self._verify([j for j in before if j not in in_flight])
-        output = KVConnectorOutput(
-            finished_sending=finished_sending,
-            finished_recving=finished_recving,
-            invalid_block_ids=wc.get_block_ids_with_load_errors(),
-            kv_connector_worker_meta=wc.build_connector_worker_meta(),
+        return finish_worker_step(
+            wc, finished, self.pending, self.worker.in_flight_job_ids, self._verify
         )
-        wc.clear_connector_metadata()
-        return output
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -130,89 +121,11 @@ class _Rank:
         }
 
 
-def _worker_main(rank: int, conn: Connection) -> None:
-    import kvoffload.integrations.vllm.connector  # noqa: F401 - vLLM imported before "ready"
-
-    conn.send(("ok", "ready"))
-    rig: _Rank | None = None
-    while True:
-        cmd, args = conn.recv()
-        try:
-            if cmd == "exit":
-                if rig is not None:
-                    rig.connector.shutdown()
-                conn.send(("ok", None))
-                return
-            if cmd == "build":
-                rig = _Rank(rank, args)
-                conn.send(("ok", None))
-            elif cmd == "step":
-                assert rig is not None
-                conn.send(("ok", rig.step(*args)))
-            elif cmd == "wait":
-                assert rig is not None
-                rig.worker.wait_all(timeout=60)
-                conn.send(("ok", rig.stats()))
-            elif cmd == "stats":
-                assert rig is not None
-                conn.send(("ok", rig.stats()))
-            elif cmd == "shutdown":
-                if rig is not None:
-                    rig.connector.shutdown()
-                rig = None
-                conn.send(("ok", None))
-            else:
-                conn.send(("error", f"unknown command {cmd!r}"))
-        except Exception as exc:  # reported to the test process, which raises it
-            import traceback
-
-            conn.send(("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}"))
-
-
-class GroupsWorkerPool:
+class GroupsWorkerPool(RankPool):
     """``tp`` spawned worker processes, reused across engines."""
 
     def __init__(self, tp: int = 2) -> None:
-        ctx = mp.get_context("spawn")
-        self.tp = tp
-        self.conns: list[Connection] = []
-        self.procs: list[Any] = []
-        for rank in range(tp):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, child), daemon=True)
-            proc.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(proc)
-        self._collect("start")
-
-    def _collect(self, cmd: str) -> list[Any]:
-        out = []
-        for conn in self.conns:
-            if not conn.poll(STEP_TIMEOUT_S):
-                raise AssertionError(f"worker did not answer {cmd!r} in {STEP_TIMEOUT_S} s")
-            status, value = conn.recv()
-            if status != "ok":
-                raise RuntimeError(value)
-            out.append(value)
-        return out
-
-    def call(self, cmd: str, args: Any = None) -> list[Any]:
-        for conn in self.conns:
-            conn.send((cmd, args))
-        return self._collect(cmd)
-
-    def close(self) -> None:
-        for conn, proc in zip(self.conns, self.procs):
-            try:
-                conn.send(("exit", None))
-                if conn.poll(30):
-                    conn.recv()
-            except (BrokenPipeError, EOFError, OSError):
-                pass
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+        super().__init__(tp, _Rank)
 
 
 @dataclass
@@ -285,21 +198,7 @@ class GroupsTPRig:
         self.loaded_blocks += sum(len(b) for b, _s in loads.values())
         args = (meta, loads, full_blocks(self.scheduler, output), set(output.finished_req_ids))
         kv_outputs = self.pool.call("step", args)
-        req_ids = list(output.num_scheduled_tokens)
-        sampled = []
-        for req_id in req_ids:
-            request = self.scheduler.requests.get(req_id)
-            done = request is not None and request.num_computed_tokens >= request.num_tokens
-            sampled.append([7] if done else [])
-        runner_outputs = [
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=sampled,
-                kv_connector_output=kv_output,
-            )
-            for kv_output in kv_outputs
-        ]
+        runner_outputs = [runner_output(self.scheduler, output, kv) for kv in kv_outputs]
         self.scheduler.update_from_output(output, self.aggregator.aggregate(runner_outputs))
         return output
 
@@ -316,9 +215,7 @@ class GroupsTPRig:
     def _busy(self) -> bool:
         if any(s["in_flight"] for s in self.pool.call("stats")):
             return True
-        manager = self.scheduler.connector.connector_scheduler.manager  # type: ignore[union-attr]
-        pending = getattr(manager, "has_pending_work", None)
-        return bool(pending()) if pending is not None else False
+        return has_pending_work(self.scheduler)
 
     def rank_stats(self) -> list[dict[str, Any]]:
         return self.pool.call("stats")

@@ -50,12 +50,12 @@ from vllm.v1.kv_cache_interface import (
     KVCacheTensor,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvoffload.integrations.vllm import KVOffloadManager, KVOffloadWorker
+from tests.integrations.vllm_step_parts import finish_worker_step, runner_output
 
 BLOCK_SIZE = 16
 NUM_LAYERS = 2
@@ -358,30 +358,14 @@ class VLLMRig:
             if not self.kv_worker.worker.wait(sync, timeout=0):
                 self.late_sync_loads += sync
             self._compute(output)
-            wc.wait_for_save()
-            before = set(self._pending)
-            finished_sending, finished_recving = wc.get_finished(output.finished_req_ids)
-            in_flight = self.kv_worker.worker._job_handler
-            self._verify_done([j for j in before if j not in in_flight])
-            connector_output = KVConnectorOutput(
-                finished_sending=finished_sending,
-                finished_recving=finished_recving,
-                invalid_block_ids=wc.get_block_ids_with_load_errors(),
-                kv_connector_worker_meta=wc.build_connector_worker_meta(),
+            connector_output = finish_worker_step(
+                wc,
+                output.finished_req_ids,
+                self._pending,
+                lambda: self.kv_worker.worker._job_handler,
+                self._verify_done,
             )
-            wc.clear_connector_metadata()
-        req_ids = list(output.num_scheduled_tokens)
-        sampled = []
-        for req_id in req_ids:
-            request = self.scheduler.requests.get(req_id)
-            done = request is not None and request.num_computed_tokens >= request.num_tokens
-            sampled.append([7] if done else [])
-        runner = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=connector_output,
-        )
+        runner = runner_output(self.scheduler, output, connector_output)
         self.outputs.append(self.scheduler.update_from_output(output, runner))
         return output
 

@@ -20,11 +20,9 @@ to what that rank wrote.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 import uuid
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +32,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.outputs import ModelRunnerOutput
 
+from tests.integrations.vllm_rank_pool import STEP_TIMEOUT_S, RankPool
 from tests.integrations.vllm_rig import (
     BLOCK_SIZE,
     NUM_KV_HEADS,
@@ -47,9 +45,13 @@ from tests.integrations.vllm_rig import (
     vllm_config,
     write_tiny_llama,
 )
+from tests.integrations.vllm_step_parts import (
+    finish_worker_step,
+    has_pending_work,
+    runner_output,
+)
 
-#: Generous: on a loaded 2-core machine a spawned worker imports vLLM in minutes.
-STEP_TIMEOUT_S = 600.0
+__all__ = ["STEP_TIMEOUT_S", "TPRig", "WorkerPool"]
 
 
 def _tp_config(
@@ -145,8 +147,6 @@ class _Rank:
         writes: list[tuple[int, bytes]],
         finished_req_ids: set[str],
     ) -> Any:
-        from vllm.v1.outputs import KVConnectorOutput
-
         wc = self.connector
         wc.bind_connector_metadata(meta)
         wc.handle_preemptions(meta)
@@ -156,19 +156,9 @@ class _Rank:
         self._verify([j for j, (_i, _h, sync) in loads.items() if sync])
         for block_id, block_hash in writes:
             self._write(block_id, block_hash)
-        wc.wait_for_save()
-        before = set(self.pending)
-        finished_sending, finished_recving = wc.get_finished(finished_req_ids)
-        in_flight = self.worker.in_flight_job_ids()
-        self._verify([j for j in before if j not in in_flight])
-        output = KVConnectorOutput(
-            finished_sending=finished_sending,
-            finished_recving=finished_recving,
-            invalid_block_ids=wc.get_block_ids_with_load_errors(),
-            kv_connector_worker_meta=wc.build_connector_worker_meta(),
+        return finish_worker_step(
+            wc, finished_req_ids, self.pending, self.worker.in_flight_job_ids, self._verify
         )
-        wc.clear_connector_metadata()
-        return output
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -180,90 +170,11 @@ class _Rank:
         }
 
 
-def _worker_main(rank: int, conn: Connection) -> None:
-    """Serve commands until "exit": build an engine's rank, step it, report, shut it down."""
-    import kvoffload.integrations.vllm.connector  # noqa: F401 - vLLM imported before "ready"
-
-    conn.send(("ok", "ready"))
-    rig: _Rank | None = None
-    while True:
-        cmd, args = conn.recv()
-        try:
-            if cmd == "exit":
-                if rig is not None:
-                    rig.connector.shutdown()
-                conn.send(("ok", None))
-                return
-            if cmd == "build":
-                rig = _Rank(rank, args)
-                conn.send(("ok", None))
-            elif cmd == "step":
-                assert rig is not None
-                conn.send(("ok", rig.step(*args)))
-            elif cmd == "wait":
-                assert rig is not None
-                rig.worker.wait_all(timeout=60)
-                conn.send(("ok", rig.stats()))
-            elif cmd == "stats":
-                assert rig is not None
-                conn.send(("ok", rig.stats()))
-            elif cmd == "shutdown":
-                if rig is not None:
-                    rig.connector.shutdown()
-                rig = None
-                conn.send(("ok", None))
-            else:
-                conn.send(("error", f"unknown command {cmd!r}"))
-        except Exception as exc:  # reported to the test process, which raises it
-            import traceback
-
-            conn.send(("error", f"rank {rank}: {exc!r}\n{traceback.format_exc()}"))
-
-
-class WorkerPool:
+class WorkerPool(RankPool):
     """``tp`` spawned worker processes, reused across engines (vLLM is imported once each)."""
 
     def __init__(self, tp: int = 2) -> None:
-        ctx = mp.get_context("spawn")
-        self.tp = tp
-        self.conns: list[Connection] = []
-        self.procs: list[Any] = []
-        for rank in range(tp):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, child), daemon=True)
-            proc.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(proc)
-        self._collect("start")
-
-    def _collect(self, cmd: str) -> list[Any]:
-        out = []
-        for conn in self.conns:
-            if not conn.poll(STEP_TIMEOUT_S):
-                raise AssertionError(f"worker did not answer {cmd!r} in {STEP_TIMEOUT_S} s")
-            status, value = conn.recv()
-            if status != "ok":
-                raise RuntimeError(value)
-            out.append(value)
-        return out
-
-    def call(self, cmd: str, args: Any = None, per_rank: list[Any] | None = None) -> list[Any]:
-        for i, conn in enumerate(self.conns):
-            conn.send((cmd, per_rank[i] if per_rank is not None else args))
-        return self._collect(cmd)
-
-    def close(self) -> None:
-        for conn, proc in zip(self.conns, self.procs):
-            try:
-                conn.send(("exit", None))
-                if conn.poll(30):
-                    conn.recv()
-            except (BrokenPipeError, EOFError, OSError):
-                pass
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+        super().__init__(tp, _Rank)
 
 
 # -- the scheduler side (this process) -------------------------------------------------------
@@ -357,21 +268,7 @@ class TPRig:
             set(output.finished_req_ids),
         )
         kv_outputs = self.pool.call("step", args)
-        req_ids = list(output.num_scheduled_tokens)
-        sampled = []
-        for req_id in req_ids:
-            request = self.scheduler.requests.get(req_id)
-            done = request is not None and request.num_computed_tokens >= request.num_tokens
-            sampled.append([7] if done else [])
-        runner_outputs = [
-            ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=sampled,
-                kv_connector_output=kv_output,
-            )
-            for kv_output in kv_outputs
-        ]
+        runner_outputs = [runner_output(self.scheduler, output, kv) for kv in kv_outputs]
         merged = self.aggregator.aggregate(runner_outputs)
         self.outputs.append(self.scheduler.update_from_output(output, merged))
         return output
@@ -391,9 +288,8 @@ class TPRig:
     def _busy(self) -> bool:
         if any(s["in_flight"] for s in self.pool.call("stats")):
             return True
-        manager = self.manager
-        has_pending = getattr(manager, "has_pending_work", None)
-        return bool(has_pending()) if has_pending is not None else False
+        self.manager  # noqa: B018 - asserts the connector is vLLM's OffloadingConnector
+        return has_pending_work(self.scheduler)
 
     def rank_stats(self) -> list[dict[str, Any]]:
         return self.pool.call("stats")
