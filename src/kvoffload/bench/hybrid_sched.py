@@ -405,9 +405,17 @@ def bench(
     cpu_fraction: float,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    repeats: int = 1,
 ) -> dict[str, Any]:
-    """Every (groups, window) layout with both specs; ratios are kvoffload / vLLM."""
+    """Every (groups, window) layout with both specs; ratios are kvoffload / vLLM.
+
+    Each spec first runs one request untimed in a scratch scheduler, so that
+    neither side's first point pays for imports and first-call set-up.
+    """
     prompts = token_prompts(num_requests, prompt_tokens, seed)
+    for which in SPECS:
+        with tempfile.TemporaryDirectory(prefix="kvo-hsched-") as tmp:
+            run_side(which, prompts[:1], 2, 128, 1 << 24, 4096, 2048, Path(tmp))
     distinct = distinct_blocks(num_requests, prompt_tokens, seed)
     max_batched = 2048
     points = []
@@ -420,22 +428,29 @@ def bench(
         per_prompt = max(len(p) for p in prompts) // BLOCK_SIZE + 8
         per_window = (window + max_batched) // BLOCK_SIZE + 8
         num_gpu_blocks = int(1.25 * (per_prompt + per_window * (groups - 1)))
-        sides = {}
-        for which in SPECS:
-            if progress is not None:
-                progress(f"{groups}g-w{window} {which}")
-            with tempfile.TemporaryDirectory(prefix="kvo-hsched-") as tmp:
-                sides[which] = run_side(
-                    which,
-                    prompts,
-                    groups,
-                    window,
-                    cpu_bytes,
-                    num_gpu_blocks,
-                    max_batched,
-                    Path(tmp),
-                    (lambda: progress("")) if progress is not None else None,
-                ).as_dict()
+        sides: dict[str, dict[str, Any]] = {}
+        for rep in range(repeats):
+            # Interleaved repeats, the fastest kept: a shared host's noise only adds time.
+            for which in SPECS:
+                if progress is not None:
+                    progress(f"{groups}g-w{window} {which} ({rep + 1}/{repeats})")
+                with tempfile.TemporaryDirectory(prefix="kvo-hsched-") as tmp:
+                    got = run_side(
+                        which,
+                        prompts,
+                        groups,
+                        window,
+                        cpu_bytes,
+                        num_gpu_blocks,
+                        max_batched,
+                        Path(tmp),
+                        (lambda: progress("")) if progress is not None else None,
+                    ).as_dict()
+                best = sides.get(which)
+                if best is not None and got["cached_tokens"] != best["cached_tokens"]:
+                    raise RuntimeError(f"{which}: decisions differ between repeats")
+                if best is None or got["step_us"] < best["step_us"]:
+                    sides[which] = got
         ours, theirs = sides["kvoffload"], sides["vllm"]
 
         def ratio(key: str, ours: dict = ours, theirs: dict = theirs) -> float | None:
@@ -461,6 +476,7 @@ def bench(
         "prompt_tokens": prompt_tokens,
         "block_size": BLOCK_SIZE,
         "cpu_fraction": cpu_fraction,
+        "repeats": repeats,
         "points": points,
     }
 
@@ -479,6 +495,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.3,
         help="CPU bytes as a fraction of the full group's distinct blocks (0.3)",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="interleaved runs per spec, fastest kept (2)"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -531,7 +550,14 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("vllm").setLevel(logging.WARNING)
     configs = _configs(args)
     if args.json:
-        report = bench(configs, args.requests, args.prompt_tokens, args.cpu_fraction, args.seed)
+        report = bench(
+            configs,
+            args.requests,
+            args.prompt_tokens,
+            args.cpu_fraction,
+            args.seed,
+            repeats=args.repeats,
+        )
         print(json.dumps(report))
         return 0
     from rich.console import Console
@@ -541,7 +567,8 @@ def run(args: argparse.Namespace) -> int:
     if not console.is_terminal:
         console = Console(width=160)
     with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("scheduling", total=len(configs) * len(SPECS) * args.requests)
+        total = len(configs) * len(SPECS) * args.requests * args.repeats
+        task = bar.add_task("scheduling", total=total)
 
         def progress(what: str) -> None:
             if what:
@@ -550,7 +577,13 @@ def run(args: argparse.Namespace) -> int:
                 bar.update(task, advance=1)
 
         report = bench(
-            configs, args.requests, args.prompt_tokens, args.cpu_fraction, args.seed, progress
+            configs,
+            args.requests,
+            args.prompt_tokens,
+            args.cpu_fraction,
+            args.seed,
+            progress,
+            args.repeats,
         )
     console.print(
         "vLLM 0.33's scheduler, worker simulated (jobs done at once); time: schedule() + "
