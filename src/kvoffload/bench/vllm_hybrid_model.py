@@ -38,7 +38,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvoffload.bench.vllm_model import FIRST_WORD_ID, VOCAB_SIZE
+from kvoffload.bench.vllm_model import VOCAB_SIZE, save_seeded_model, write_word_tokenizer
 
 DEFAULT_SEED = 0
 #: Tokens a sliding-window layer attends to (one 32-token block of vLLM's CPU backend).
@@ -144,27 +144,6 @@ def gptoss_config_kwargs() -> dict[str, Any]:
     }
 
 
-def _write_tokenizer(out: Path) -> None:
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import PreTrainedTokenizerFast
-
-    words = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    words.update({f"w{i}": i for i in range(FIRST_WORD_ID, VOCAB_SIZE)})
-    tokenizer = Tokenizer(WordLevel(vocab=words, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        unk_token="<unk>",
-        pad_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        model_max_length=4096,
-    )
-    fast.save_pretrained(out)
-
-
 def make_tiny_hybrid(path: str | Path, arch: str = "gemma3", seed: int = DEFAULT_SEED) -> Path:
     """Write the model and tokenizer to ``path`` (idempotent: a finished directory is kept)."""
     if arch not in ARCHITECTURES:
@@ -172,32 +151,24 @@ def make_tiny_hybrid(path: str | Path, arch: str = "gemma3", seed: int = DEFAULT
     out = Path(path)
     if model_is_complete(out):
         return out
-    import torch
-
     out.mkdir(parents=True, exist_ok=True)
-    generator = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
     if arch == "gemma3":
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
         config: Any = Gemma3TextConfig(**gemma3_config_kwargs())
-        model: Any = Gemma3ForCausalLM(config)
+        model_cls: Any = Gemma3ForCausalLM
     elif arch == "gptoss":
         from transformers import GptOssConfig, GptOssForCausalLM
 
         config = GptOssConfig(**gptoss_config_kwargs())
-        model = GptOssForCausalLM(config)
+        model_cls = GptOssForCausalLM
     else:
         from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
         config = GraniteMoeHybridConfig(**granite4_config_kwargs())
-        model = GraniteMoeHybridForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, config.initializer_range, generator=generator)
-    model.save_pretrained(out, safe_serialization=True)
-    _write_tokenizer(out)
+        model_cls = GraniteMoeHybridForCausalLM
+    save_seeded_model(out, lambda: model_cls(config), seed, config.initializer_range)
+    write_word_tokenizer(out, pad_token="<unk>")
     marker = {"arch": arch, "seed": seed, "vocab_size": VOCAB_SIZE, "window": WINDOW}
     (out / MARKER).write_text(json.dumps(marker) + "\n")
     return out

@@ -14,7 +14,9 @@ Needs ``transformers`` and ``tokenizers`` (vLLM depends on both).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 VOCAB_SIZE = 2048
 #: Token ids below this are special (unk, bos, eos); prompts use the rest.
@@ -26,6 +28,55 @@ MARKER = "kvoffload-tiny-llama.json"
 
 def model_is_complete(path: Path) -> bool:
     return (Path(path) / MARKER).is_file()
+
+
+def write_word_tokenizer(out: Path, pad_token: str | None = None) -> None:
+    """Save the word-level tokenizer to ``out``: word ``w{i}`` is token id ``i``.
+
+    Ids 0, 1, 2 are ``<unk>``, ``<s>``, ``</s>``; words run from
+    ``FIRST_WORD_ID`` to ``VOCAB_SIZE - 1``, so any token list round-trips.
+    ``pad_token`` is set only when given (the tiny Llama's files never had one).
+    """
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    words.update({f"w{i}": i for i in range(FIRST_WORD_ID, VOCAB_SIZE)})
+    tokenizer = Tokenizer(WordLevel(vocab=words, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    special = {"unk_token": "<unk>"}
+    if pad_token is not None:
+        special["pad_token"] = pad_token
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        **special,
+        bos_token="<s>",
+        eos_token="</s>",
+        model_max_length=4096,
+    )
+    fast.save_pretrained(out)
+
+
+def save_seeded_model(out: Path, build: Callable[[], Any], seed: int, init_range: float) -> None:
+    """Build a model with ``build()`` and save it to ``out`` with weights drawn from ``seed``.
+
+    Every matrix (parameter of 2+ dimensions) is redrawn from N(0, ``init_range``)
+    by a generator of its own; the global seed is set too, so whatever
+    ``build()`` initialises at random (norms, biases) is the same every time.
+    Same seed, same bytes.
+    """
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = build()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.normal_(0.0, init_range, generator=generator)
+    model.save_pretrained(out, safe_serialization=True)
 
 
 def make_tiny_llama(
@@ -40,11 +91,7 @@ def make_tiny_llama(
     out = Path(path)
     if model_is_complete(out):
         return out
-    import torch
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(
@@ -62,27 +109,8 @@ def make_tiny_llama(
         tie_word_embeddings=False,
         torch_dtype="float32",
     )
-    generator = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, config.initializer_range, generator=generator)
-    model.save_pretrained(out, safe_serialization=True)
-
-    words = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    words.update({f"w{i}": i for i in range(FIRST_WORD_ID, VOCAB_SIZE)})
-    tokenizer = Tokenizer(WordLevel(vocab=words, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        model_max_length=4096,
-    )
-    fast.save_pretrained(out)
+    save_seeded_model(out, lambda: LlamaForCausalLM(config), seed, config.initializer_range)
+    write_word_tokenizer(out)
     (out / MARKER).write_text(json.dumps({"seed": seed, "vocab_size": VOCAB_SIZE}) + "\n")
     return out
 
