@@ -27,7 +27,8 @@ import statistics
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -403,9 +404,29 @@ def bench(args: argparse.Namespace, on_progress: Callable[[int], None] | None = 
     }
 
 
-def run(args: argparse.Namespace) -> int:
+@contextmanager
+def work_bar(label: str, total: int) -> Iterator[Callable[[int], None]]:
+    """A transient progress bar on stderr for ``total`` work units; yields ``advance(n)``.
+
+    stderr, so that ``--json`` output on stdout stays one JSON object.
+    """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn(label),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("work", total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
     from rich.table import Table
 
     if getattr(args, "hits", False) or getattr(args, "profile_hit", False):
@@ -415,17 +436,8 @@ def run(args: argparse.Namespace) -> int:
     python = find_engine_python(args.engine_python)
     names = ("round_robin", "batch") if args.workload == "both" else (args.workload,)
     total = 2 * (1 + sum(len(p["prompts"]) for p in workload_phases(names)))
-    err = Console(stderr=True)
-    with Progress(
-        TextColumn("vLLM engine (2 starts, then requests)"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-    ) as bar:
-        task = bar.add_task("work", total=total)
-        report = bench(args, on_progress=lambda n: bar.advance(task, n))
+    with work_bar("vLLM engine (2 starts, then requests)", total) as advance:
+        report = bench(args, on_progress=advance)
     report.pop("_work", None)
     if args.json:
         print(json.dumps(report))

@@ -245,26 +245,14 @@ def total_work(visits: int) -> int:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from kvoffload.bench.vllm_engine import default_model_dir, find_engine_python
+    from kvoffload.bench.vllm_engine import default_model_dir, find_engine_python, work_bar
 
     python = find_engine_python(args.engine_python)
     if python is None:
         raise FileNotFoundError("no vLLM engine environment (see `kvoffload bench vllm --help`)")
     models = [MODELS[m] for m in args.hit_models]
     reports = []
-    err = Console(stderr=True)
-    with Progress(
-        TextColumn("vLLM hit bench"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-    ) as bar:
-        task = bar.add_task("work", total=len(models) * total_work(args.hit_visits))
+    with work_bar("vLLM hit bench", len(models) * total_work(args.hit_visits)) as advance:
         for layers, hidden in models:
             model_dir = default_model_dir().with_name(f"tiny-llama-{layers}x{hidden}")
             reports.append(
@@ -274,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
                     layers,
                     hidden,
                     args.hit_visits,
-                    on_progress=lambda n: bar.advance(task, n),
+                    on_progress=advance,
                 )
             )
     if args.json:
