@@ -115,6 +115,11 @@ class Router:
         loads: Sequence[Load],
         token_ids: Sequence[int] | None = None,
     ) -> int:
+        """The instance index for a request; a cache-blind router uses ``choose(len(loads))``."""
+        return self.choose(len(loads))
+
+    def choose(self, n: int) -> int:
+        """An index in ``range(n)`` chosen without looking at caches or loads."""
         raise NotImplementedError
 
 
@@ -124,14 +129,8 @@ class RoundRobinRouter(Router):
     def __init__(self) -> None:
         self._next = 0
 
-    def pick(
-        self,
-        num_tokens: int,
-        overlaps: dict[int, TierOverlap],
-        loads: Sequence[Load],
-        token_ids: Sequence[int] | None = None,
-    ) -> int:
-        i = self._next % len(loads)
+    def choose(self, n: int) -> int:
+        i = self._next % n
         self._next += 1
         return i
 
@@ -142,14 +141,8 @@ class RandomRouter(Router):
     def __init__(self, seed: int = 0) -> None:
         self._rng = random.Random(seed)
 
-    def pick(
-        self,
-        num_tokens: int,
-        overlaps: dict[int, TierOverlap],
-        loads: Sequence[Load],
-        token_ids: Sequence[int] | None = None,
-    ) -> int:
-        return self._rng.randrange(len(loads))
+    def choose(self, n: int) -> int:
+        return self._rng.randrange(n)
 
 
 class KVRouter(Router):
