@@ -278,17 +278,6 @@ class ChunkUnitPolicy(CachePolicy):
             if unit not in self._busy:
                 self._forget_unit(unit)
 
-    def _drop_unit(self, unit: bytes) -> list[OffloadKey]:
-        """The inner policy evicted ``unit`` (resident, not busy): every stored key goes."""
-        keys = self._members.pop(unit)
-        self._idle -= self._nheld.pop(unit)
-        stored, dead = self._stored, self._dead
-        for key in keys:
-            stored.discard(key)
-            dead.pop(key, None)
-        self._forget_unit(unit)
-        return keys
-
     # -- CachePolicy: what the manager reports ---------------------------------
 
     def insert(self, keys: Sequence[OffloadKey]) -> None:
@@ -304,16 +293,22 @@ class ChunkUnitPolicy(CachePolicy):
         live = self._classify(keys)
         fresh: dict[bytes, None] = {}
         stored, members, dead = self._stored, self._members, self._dead
+        stored.update(keys)
+        units_max = self._units_max
         for key, is_live in zip(keys, live):
             unit = key[:-_SUFFIX]
-            stored.add(key)
-            members.setdefault(unit, []).append(key)
-            if (n := len(members[unit])) > self._units_max:
-                self._units_max = n
+            group = members.get(unit)
+            if group is None:
+                members[unit] = [key]
+            else:
+                group.append(key)
+                if len(group) > units_max:
+                    units_max = len(group)
             if is_live:
                 self._hold(unit, fresh)
             else:
                 dead[key] = None
+        self._units_max = units_max
         if fresh:
             self._enter_inner(list(fresh))
 
@@ -445,14 +440,26 @@ class ChunkUnitPolicy(CachePolicy):
             need -= 1
         incoming: Sequence[bytes] = units_new
         told = False
+        members, nheld, stored = self._members, self._nheld, self._stored
+        prev, boundary = self._prev, self._boundary
         while need > 0:
             # At most _units_max keys per unit: this many units never frees more than needed
             # by a whole unit's worth, and never asks for more units than are evictable.
             k = -(-need // self._units_max)
+            # Each unit the inner policy evicted (resident, not busy) loses every stored
+            # key. Inlined (was one call per unit): under eviction pressure a store drops
+            # thousands of units. ``dead`` is empty here (the loop above drained it
+            # before any unit goes), so no key of these units is dead.
+            dropped_held = 0
             for unit in self.inner.evict(k, incoming):
-                dropped = self._drop_unit(unit)
-                victims.extend(dropped)
-                need -= len(dropped)
+                keys = members.pop(unit)
+                dropped_held += nheld.pop(unit)
+                stored.difference_update(keys)
+                prev.pop(unit, None)
+                boundary.discard(unit)
+                victims.extend(keys)
+                need -= len(keys)
+            self._idle -= dropped_held
             incoming, told = (), True
         if not told:
             self.inner.evict(0, units_new)
