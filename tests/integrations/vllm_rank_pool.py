@@ -1,6 +1,7 @@
 """Spawned worker processes, one per TP rank, each serving one rank of an engine at a time.
 
-Used by ``vllm_tp_rig`` and ``vllm_groups_tp_rig``; each passes its own rank
+Used by ``vllm_tp_rig`` and ``vllm_groups_tp_rig`` (their scheduler sides
+share ``PoolDriver``'s loop); each passes its own rank
 class, a module-level class (so ``spawn`` can pickle it by name) built as
 ``make_rank(rank, build)`` in the worker and holding ``connector`` (vLLM's
 worker-side connector), ``worker`` (its kvoffload worker), ``step(*args)``
@@ -14,8 +15,11 @@ failure in a worker ends the test with that rank's traceback.
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 from multiprocessing.connection import Connection
 from typing import Any
+
+from tests.integrations.vllm_step_parts import has_pending_work
 
 #: Generous: on a loaded 2-core machine a spawned worker imports vLLM in minutes.
 STEP_TIMEOUT_S = 600.0
@@ -105,3 +109,43 @@ class RankPool:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
+
+
+class PoolDriver:
+    """The scheduler side's loop over a ``RankPool`` (mixed into the TP rigs).
+
+    Needs ``pool`` (a ``RankPool``), ``scheduler`` (vLLM's) and ``step()``.
+    Busy means: a request left, a job in flight on any rank, or lower-tier
+    work the scheduler-side manager still waits on.
+    """
+
+    pool: RankPool
+    scheduler: Any
+
+    def step(self) -> Any:
+        raise NotImplementedError
+
+    def run(self, max_steps: int = 400) -> int:
+        """Step until no request is left and no transfer is in flight; the steps taken."""
+        for n in range(max_steps):
+            if not self.scheduler.has_requests() and not self._busy():
+                return n
+            output = self.step()
+            if not output.total_num_scheduled_tokens:
+                # Only transfers and the lower tiers' answers can make progress.
+                self.pool.call("wait")
+                time.sleep(0.002)
+        raise AssertionError(f"engine still busy after {max_steps} steps")
+
+    def _busy(self) -> bool:
+        if any(s["in_flight"] for s in self.pool.call("stats")):
+            return True
+        return bool(has_pending_work(self.scheduler))
+
+    def rank_stats(self) -> list[dict[str, Any]]:
+        return self.pool.call("stats")
+
+    def shutdown(self) -> None:
+        self.pool.call("shutdown")
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.shutdown()

@@ -41,7 +41,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -51,11 +51,15 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvoffload.integrations.vllm import KVOffloadManager, KVOffloadWorker
-from tests.integrations.vllm_step_parts import finish_worker_step, runner_output
+from tests.integrations.vllm_step_parts import (
+    finish_worker_step,
+    new_scheduler,
+    prefix_hash_fn,
+    runner_output,
+)
 
 BLOCK_SIZE = 16
 NUM_LAYERS = 2
@@ -253,11 +257,7 @@ class VLLMRig:
         model_dir = write_tiny_llama(tmp_path / "tiny-llama")
         config = vllm_config(model_dir, num_gpu_blocks, extra_config, **config_kwargs)
         kcc = kv_cache_config(num_gpu_blocks)
-        hash_fn = hashlib.sha256
-        from vllm.utils.hashing import get_hash_fn_by_name
-
-        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
-        init_none_hash(hash_fn)
+        hash_fn = prefix_hash_fn(config)
         with set_current_vllm_config(config):
             worker = None
             kv_caches: dict[str, torch.Tensor] = {}
@@ -267,13 +267,7 @@ class VLLMRig:
                 kv_caches = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout.LBHNC)
                 assert isinstance(worker, OffloadingConnector)
                 worker.register_kv_caches(kv_caches)
-            scheduler = scheduler_cls(
-                vllm_config=config,
-                kv_cache_config=kcc,
-                structured_output_manager=StructuredOutputManager(config),
-                block_size=BLOCK_SIZE,
-                log_stats=True,
-            )
+            scheduler = new_scheduler(config, kcc, BLOCK_SIZE, scheduler_cls)
         return cls(config, scheduler, worker, kv_caches, hash_fn)
 
     # -- requests ------------------------------------------------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Iterable
 from typing import Any
 
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 #: The token every rig "samples" once a request's prompt is computed.
@@ -77,3 +78,31 @@ def has_pending_work(scheduler: Any) -> bool:
     manager = scheduler.connector.connector_scheduler.manager
     pending = getattr(manager, "has_pending_work", None)
     return bool(pending()) if pending is not None else False
+
+
+def prefix_hash_fn(config: Any) -> Any:
+    """The config's prefix-caching hash, with vLLM's NONE_HASH seeded by it (as the engine does).
+
+    Call before building requests or a scheduler: block hashes chain from NONE_HASH.
+    """
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return hash_fn
+
+
+def new_scheduler(
+    config: Any, kcc: Any, block_size: int, scheduler_cls: type[Scheduler] = Scheduler
+) -> Scheduler:
+    """vLLM's scheduler over ``kcc`` with stats on; call inside ``set_current_vllm_config``."""
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    return scheduler_cls(
+        vllm_config=config,
+        kv_cache_config=kcc,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=block_size,
+        log_stats=True,
+    )

@@ -20,7 +20,6 @@ to what that rank wrote.
 
 from __future__ import annotations
 
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from tests.integrations.vllm_rank_pool import STEP_TIMEOUT_S, RankPool
+from tests.integrations.vllm_rank_pool import STEP_TIMEOUT_S, PoolDriver, RankPool
 from tests.integrations.vllm_rig import (
     BLOCK_SIZE,
     NUM_KV_HEADS,
@@ -47,7 +46,8 @@ from tests.integrations.vllm_rig import (
 )
 from tests.integrations.vllm_step_parts import (
     finish_worker_step,
-    has_pending_work,
+    new_scheduler,
+    prefix_hash_fn,
     runner_output,
 )
 
@@ -181,7 +181,7 @@ class WorkerPool(RankPool):
 
 
 @dataclass
-class TPRig:
+class TPRig(PoolDriver):
     """vLLM's scheduler here, the worker-side connectors in ``pool``'s processes."""
 
     pool: WorkerPool
@@ -206,9 +206,6 @@ class TPRig:
         model_name: str = "tiny-llama",
     ) -> TPRig:
         from vllm.config import set_current_vllm_config
-        from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_utils import init_none_hash
-        from vllm.v1.structured_output import StructuredOutputManager
 
         model_dir = write_tiny_llama(tmp_path / model_name)
         engine_id = f"kvoffload-test-{uuid.uuid4().hex[:12]}"
@@ -224,16 +221,10 @@ class TPRig:
         # vLLM's order: the workers register their KV caches, then the scheduler starts.
         pool.call("build", build)
         config = _tp_config(rank=0, **build)
-        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
-        init_none_hash(hash_fn)
+        hash_fn = prefix_hash_fn(config)
         with set_current_vllm_config(config):
-            scheduler = Scheduler(
-                vllm_config=config,
-                kv_cache_config=_kv_cache_config(num_gpu_blocks, pool.tp),
-                structured_output_manager=StructuredOutputManager(config),
-                block_size=BLOCK_SIZE,
-                log_stats=True,
-            )
+            kcc = _kv_cache_config(num_gpu_blocks, pool.tp)
+            scheduler = new_scheduler(config, kcc, BLOCK_SIZE)
         return cls(pool, scheduler, hash_fn, engine_id, KVOutputAggregator(pool.tp))
 
     @property
@@ -273,27 +264,6 @@ class TPRig:
         self.outputs.append(self.scheduler.update_from_output(output, merged))
         return output
 
-    def run(self, max_steps: int = 400) -> int:
-        """Step until no request is left and no transfer is in flight; the steps taken."""
-        for n in range(max_steps):
-            if not self.scheduler.has_requests() and not self._busy():
-                return n
-            output = self.step()
-            if not output.total_num_scheduled_tokens:
-                # Only transfers and the lower tiers' answers can make progress.
-                self.pool.call("wait")
-                time.sleep(0.002)
-        raise AssertionError(f"engine still busy after {max_steps} steps")
-
-    def _busy(self) -> bool:
-        if any(s["in_flight"] for s in self.pool.call("stats")):
-            return True
-        self.manager  # noqa: B018 - asserts the connector is vLLM's OffloadingConnector
-        return has_pending_work(self.scheduler)
-
-    def rank_stats(self) -> list[dict[str, Any]]:
-        return self.pool.call("stats")
-
     def finish_reasons(self) -> dict[str, str]:
         return {
             o.request_id: str(o.finish_reason)
@@ -302,8 +272,3 @@ class TPRig:
             for o in eco.outputs
             if o.finished
         }
-
-    def shutdown(self) -> None:
-        self.pool.call("shutdown")
-        if self.scheduler.connector is not None:
-            self.scheduler.connector.shutdown()
