@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from kvoffload.offload.base import OffloadKey
 from kvoffload.offload.policies import CachePolicy
@@ -267,16 +268,21 @@ class ChunkUnitPolicy(CachePolicy):
         self._prev.pop(unit, None)
         self._boundary.discard(unit)
 
-    def _drop_dead(self, key: OffloadKey) -> None:
-        """Evict one dead key (already out of ``_dead``)."""
-        self._stored.discard(key)
-        unit = key[:-_SUFFIX]
-        members = self._members[unit]
-        members.remove(key)
-        if not members:
-            del self._members[unit]
-            if unit not in self._busy:
-                self._forget_unit(unit)
+    def _drop_dead(self, keys: list[OffloadKey]) -> None:
+        """Evict these dead keys (already out of ``_dead``), in order; a unit left with no
+        stored key and not busy is forgotten."""
+        self._stored.difference_update(keys)
+        members, busy = self._members, self._busy
+        prev, boundary = self._prev, self._boundary
+        for key in keys:
+            unit = key[:-_SUFFIX]
+            group = members[unit]
+            group.remove(key)
+            if not group:
+                del members[unit]
+                if unit not in busy:
+                    prev.pop(unit, None)
+                    boundary.discard(unit)
 
     # -- CachePolicy: what the manager reports ---------------------------------
 
@@ -432,12 +438,14 @@ class ChunkUnitPolicy(CachePolicy):
     def _evict(self, need: int, units_new: list[bytes]) -> list[OffloadKey]:
         victims: list[OffloadKey] = []
         dead = self._dead
-        while need > 0 and dead:
-            key = next(iter(dead))
-            del dead[key]
-            self._drop_dead(key)
-            victims.append(key)
-            need -= 1
+        if need > 0 and dead:
+            # The oldest dead keys first (insertion order), as many as needed, in one batch:
+            # one key at a time cost a call and a fresh iterator per key.
+            victims = list(islice(dead, need))
+            for key in victims:
+                del dead[key]
+            self._drop_dead(victims)
+            need -= len(victims)
         incoming: Sequence[bytes] = units_new
         told = False
         members, nheld, stored = self._members, self._nheld, self._stored
