@@ -64,22 +64,16 @@ def model_is_complete(path: Path) -> bool:
     return (Path(path) / MARKER).is_file()
 
 
-def gemma3_config_kwargs() -> dict[str, Any]:
-    """``Gemma3TextConfig`` arguments of the tiny model (also what its config.json holds)."""
+def _shared_config_kwargs(layer_types: tuple[str, ...]) -> dict[str, Any]:
+    """What every tiny hybrid's config holds: sizes, the wide init, special ids, float32."""
     return {
         "vocab_size": VOCAB_SIZE,
         "hidden_size": 128,
-        "intermediate_size": 256,
         "num_hidden_layers": NUM_LAYERS,
         "num_attention_heads": 4,
         "num_key_value_heads": NUM_KV_HEADS,
-        "head_dim": HEAD_DIM,
         "max_position_embeddings": 4096,
-        "sliding_window": WINDOW,
-        "layer_types": list(LAYER_TYPES),
-        # 1/sqrt(head_dim), as attention usually scales: q and k are RMS-normed in
-        # Gemma 3, so a wider init alone would not sharpen the scores.
-        "query_pre_attn_scalar": HEAD_DIM,
+        "layer_types": list(layer_types),
         "initializer_range": 0.25,
         "pad_token_id": 0,
         "bos_token_id": 1,
@@ -89,19 +83,29 @@ def gemma3_config_kwargs() -> dict[str, Any]:
     }
 
 
+def _sliding_config_kwargs() -> dict[str, Any]:
+    """Gemma 3's and gpt-oss's shared part: ``LAYER_TYPES``, heads of ``HEAD_DIM``, ``WINDOW``."""
+    return {**_shared_config_kwargs(LAYER_TYPES), "head_dim": HEAD_DIM, "sliding_window": WINDOW}
+
+
+def gemma3_config_kwargs() -> dict[str, Any]:
+    """``Gemma3TextConfig`` arguments of the tiny model (also what its config.json holds)."""
+    return {
+        **_sliding_config_kwargs(),
+        "intermediate_size": 256,
+        # 1/sqrt(head_dim), as attention usually scales: q and k are RMS-normed in
+        # Gemma 3, so a wider init alone would not sharpen the scores.
+        "query_pre_attn_scalar": HEAD_DIM,
+    }
+
+
 def granite4_config_kwargs() -> dict[str, Any]:
     """``GraniteMoeHybridConfig`` arguments of the tiny Mamba hybrid (dense: no experts)."""
     return {
-        "vocab_size": VOCAB_SIZE,
-        "hidden_size": 128,
+        **_shared_config_kwargs(GRANITE4_LAYER_TYPES),
         "intermediate_size": 256,
         "shared_intermediate_size": 256,
         "num_local_experts": 0,
-        "num_hidden_layers": NUM_LAYERS,
-        "num_attention_heads": 4,
-        "num_key_value_heads": NUM_KV_HEADS,
-        "max_position_embeddings": 4096,
-        "layer_types": list(GRANITE4_LAYER_TYPES),
         "position_embedding_type": "rope",
         "mamba_n_heads": 8,
         "mamba_d_head": 32,
@@ -110,12 +114,6 @@ def granite4_config_kwargs() -> dict[str, Any]:
         "mamba_d_conv": 4,
         "mamba_expand": 2,
         "mamba_chunk_size": 64,
-        "initializer_range": 0.25,
-        "pad_token_id": 0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
     }
 
 
@@ -123,24 +121,10 @@ def gptoss_config_kwargs() -> dict[str, Any]:
     """``GptOssConfig`` arguments of a tiny gpt-oss: attention sinks, sliding window
     ``WINDOW`` and full attention alternating, 4 experts (2 per token), unquantized."""
     return {
-        "vocab_size": VOCAB_SIZE,
-        "hidden_size": 128,
+        **_sliding_config_kwargs(),
         "intermediate_size": 128,
         "num_local_experts": 4,
         "num_experts_per_tok": 2,
-        "num_hidden_layers": NUM_LAYERS,
-        "num_attention_heads": 4,
-        "num_key_value_heads": NUM_KV_HEADS,
-        "head_dim": HEAD_DIM,
-        "max_position_embeddings": 4096,
-        "sliding_window": WINDOW,
-        "layer_types": list(LAYER_TYPES),
-        "initializer_range": 0.25,
-        "pad_token_id": 0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
     }
 
 
