@@ -39,11 +39,10 @@ from typing import Any
 
 import pytest
 
-from kvoffload.bench.vllm_engine import EngineRunError, run_engines
 from kvoffload.bench.vllm_hybrid_model import LAYER_BLOCK_BYTES, LAYER_TYPES
 from kvoffload.bench.vllm_model import FIRST_WORD_ID, VOCAB_SIZE
 from tests.conftest_redis import free_port
-from tests.e2e_vllm.conftest import CORRUPT, ENGINE_BASE, JOB_TIMEOUT_S, counter, outputs
+from tests.e2e_vllm.conftest import CORRUPT, ENGINE_BASE, counter, outputs, run_job
 
 pytestmark = pytest.mark.timeout(2400)
 
@@ -77,14 +76,6 @@ def _phases(seed: int = 11) -> list[dict[str, Any]]:
             phases.append({"name": f"flood{n}", "prompts": flood, "max_tokens": 1})
         phases.append({"name": name, "prompts": rounds[name], "max_tokens": 8})
     return phases
-
-
-def _job(python: Path, engines: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    try:
-        result = run_engines(python, engines, timeout_s=JOB_TIMEOUT_S)
-    except EngineRunError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    return {e["name"]: e for e in result["engines"]}
 
 
 @pytest.fixture(scope="session")
@@ -122,7 +113,7 @@ def hybrid_run(
         dict(base, name="corrupt", connector=CORRUPT, extra_config={**COMMON, **KEEP}),
         dict(base, name="disk", connector="kvoffload", extra_config=disk, kv_events=events()),
     ]  # fmt: skip
-    return _job(engine_python, engines)
+    return run_job(engine_python, engines)
 
 
 @pytest.fixture(scope="session")
@@ -147,7 +138,7 @@ def gptoss_run(engine_python: Path, gptoss_model: Path) -> dict[str, dict[str, A
         dict(base, name="none"),
         dict(base, name="keep", connector="kvoffload", extra_config={**COMMON, **KEEP}),
     ]
-    return _job(engine_python, engines)
+    return run_job(engine_python, engines)
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +150,7 @@ def in_process_run(
     monkeypatch_module.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     base = dict(ENGINE_BASE, model=str(hybrid_model), phases=_phases())
     engines = [dict(base, name="keep", connector="kvoffload", extra_config={**COMMON, **KEEP})]
-    return _job(engine_python, engines)
+    return run_job(engine_python, engines)
 
 
 @pytest.fixture(scope="module")
