@@ -37,14 +37,15 @@ def test_tiny_run_prints_one_json_object_with_both_specs(
     (point,) = report["points"]
     assert point["layout"] == "2g-w128"
     ours, theirs = point["sides"]["kvoffload"], point["sides"]["vllm"]
-    for side in (ours, theirs):
+    conn = point["sides"]["kvoffload-conn"]
+    for side in (ours, conn, theirs):
         assert side["steps"] > 0 and side["prompt_tokens"] > 0
         assert side["stored_keys"] > 0
         assert len(side["bytes_per_chunk_per_group"]) == 2
         assert all(b > 0 for b in side["bytes_per_chunk_per_group"])
         assert side["connector_us_per_step"] > 0
     # Same requests, same CPU bytes; revisits past the small GPU pool hit the CPU tier.
-    assert ours["cached_tokens"] > 0 and theirs["cached_tokens"] > 0
+    assert ours["cached_tokens"] > 0 and theirs["cached_tokens"] > 0 and conn["cached_tokens"] > 0
     assert ours["prompt_tokens"] == theirs["prompt_tokens"]
     assert ours["cpu_slots"] == theirs["cpu_slots"] > 0
     assert point["step_time_ratio"] is not None and point["hit_rate_ratio"] is not None
@@ -54,4 +55,4 @@ def test_the_table_prints_ratios(capsys: pytest.CaptureFixture) -> None:
     args = _args("--requests", "3", "--prompt-tokens", "2048", "--groups", "2", "--windows", "32")
     assert hybrid_sched.run(args) == 0
     out = capsys.readouterr().out
-    assert "ours/vLLM" in out and "2g-w32" in out
+    assert "ours/vLLM" in out and "conn/vLLM" in out and "2g-w32" in out

@@ -41,7 +41,10 @@ from kvoffload.bench.hybrid_replay import long_prompts
 BLOCK_SIZE = 16
 NUM_KV_HEADS = 2
 HEAD_SIZE = 64
-SPECS = ("kvoffload", "vllm")
+#: "kvoffload": vLLM's OffloadingConnector + KVOffloadSpec; "kvoffload-conn": kvoffload's
+#: KVOffloadConnector (the same spec, plus its queue hints and in-step CPU hits);
+#: "vllm": OffloadingConnector + vLLM's CPUOffloadingSpec (the baseline of every ratio).
+SPECS = ("kvoffload", "kvoffload-conn", "vllm")
 #: Connector methods the scheduler calls (timed on the instance when present).
 CONNECTOR_METHODS = (
     "get_num_new_matched_tokens",
@@ -241,11 +244,18 @@ def run_side(
     kinds = layer_kinds(groups, window)
     max_len = max(len(p) for p in prompts) + 64
     model_dir = _write_model(workdir / "model", len(kinds), max_len)
+    connector_name: dict[str, Any] = {"kv_connector": "OffloadingConnector"}
     if which == "kvoffload":
         extra: dict[str, Any] = {
             "cpu_bytes": cpu_bytes,
             "spec_name": "KVOffloadSpec",
             "spec_module_path": "kvoffload.integrations.vllm",
+        }
+    elif which == "kvoffload-conn":
+        extra = {"cpu_bytes": cpu_bytes}
+        connector_name = {
+            "kv_connector": "KVOffloadConnector",
+            "kv_connector_module_path": "kvoffload.integrations.vllm",
         }
     else:
         extra = {"cpu_bytes_to_use": cpu_bytes, "spec_name": "CPUOffloadingSpec"}
@@ -263,7 +273,7 @@ def run_side(
         ),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="OffloadingConnector",
+            **connector_name,
             kv_role="kv_both",
             kv_connector_extra_config=extra,
         ),
@@ -451,10 +461,12 @@ def bench(
                     raise RuntimeError(f"{which}: decisions differ between repeats")
                 if best is None or got["step_us"] < best["step_us"]:
                     sides[which] = got
-        ours, theirs = sides["kvoffload"], sides["vllm"]
+        theirs = sides["vllm"]
 
-        def ratio(key: str, ours: dict = ours, theirs: dict = theirs) -> float | None:
-            return ours[key] / theirs[key] if theirs[key] else None
+        def ratio(
+            key: str, which: str = "kvoffload", sides: dict = sides, theirs: dict = theirs
+        ) -> float | None:
+            return sides[which][key] / theirs[key] if theirs[key] else None
 
         points.append(
             {
@@ -468,6 +480,9 @@ def bench(
                 "connector_time_ratio": ratio("connector_us_per_step"),
                 "per_request_ratio": ratio("step_us_per_request"),
                 "hit_rate_ratio": ratio("hit_rate"),
+                "conn_step_time_ratio": ratio("step_us", "kvoffload-conn"),
+                "conn_connector_time_ratio": ratio("connector_us_per_step", "kvoffload-conn"),
+                "conn_hit_rate_ratio": ratio("hit_rate", "kvoffload-conn"),
             }
         )
     return {
@@ -505,7 +520,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _table(report: dict[str, Any]) -> list[str]:
     head = (
-        f"{'layout':<9} {'spec':<10} {'steps':>6} {'step us':>9} {'conn us/step':>12} "
+        f"{'layout':<9} {'spec':<14} {'steps':>6} {'step us':>9} {'conn us/step':>12} "
         f"{'ms/req':>8} {'hit %':>7} {'gpu %':>6} {'stored':>8} {'loaded':>8}  bytes/chunk/group"
     )
     lines = [head]
@@ -513,7 +528,7 @@ def _table(report: dict[str, Any]) -> list[str]:
         for which in SPECS:
             s = p["sides"][which]
             lines.append(
-                f"{p['layout']:<9} {which:<10} {s['steps']:>6} {s['step_us']:>9.0f} "
+                f"{p['layout']:<9} {which:<14} {s['steps']:>6} {s['step_us']:>9.0f} "
                 f"{s['connector_us_per_step']:>12.0f} {s['step_us_per_request'] / 1e3:>8.1f} "
                 f"{100 * s['hit_rate']:>6.2f}% "
                 f"{100 * s['gpu_cached_tokens'] / max(s['prompt_tokens'], 1):>5.1f}% "
@@ -525,7 +540,12 @@ def _table(report: dict[str, Any]) -> list[str]:
             return f"{x:.2f}x" if x is not None else "-"
 
         lines.append(
-            f"{p['layout']:<9} {'ours/vLLM':<10} step {fmt(p['step_time_ratio'])}, "
+            f"{p['layout']:<9} {'conn/vLLM':<14} step {fmt(p['conn_step_time_ratio'])}, "
+            f"connector {fmt(p['conn_connector_time_ratio'])}, "
+            f"hit rate {fmt(p['conn_hit_rate_ratio'])}"
+        )
+        lines.append(
+            f"{p['layout']:<9} {'ours/vLLM':<14} step {fmt(p['step_time_ratio'])}, "
             f"connector {fmt(p['connector_time_ratio'])}, per request "
             f"{fmt(p['per_request_ratio'])}, hit rate {fmt(p['hit_rate_ratio'])} "
             f"(CPU {p['cpu_bytes'] >> 20} MiB each)"
