@@ -24,7 +24,8 @@ from vllm.v1.core import kv_cache_utils as vku  # noqa: E402
 from vllm.v1.request import Request as VllmRequest  # noqa: E402
 
 from kvoffload.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from kvoffload.events import BlockStored, KVEvent  # noqa: E402
+from kvoffload.events import BlockStored  # noqa: E402
+from tests.events.published import record_published  # noqa: E402
 
 BLOCK_SIZE = 8
 PROMPT = [(11 * i + 5) % 400 for i in range(5 * BLOCK_SIZE + 3)]
@@ -77,14 +78,7 @@ def test_salted_and_lora_requests_publish_vllms_hashes_and_extra_keys(
             events_endpoint="tcp://127.0.0.1:*",
         )
     )
-    published: list[KVEvent] = []
-    publish = engine.publisher.publish
-
-    def record(events: list[KVEvent]) -> bool:
-        published.extend(events)
-        return publish(events)
-
-    engine.publisher.publish = record  # type: ignore[method-assign]
+    published = record_published(engine)
     outputs: dict[str, list[int]] = {}
     try:
         for name, lora, salt in VARIANTS:

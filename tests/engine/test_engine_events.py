@@ -3,6 +3,7 @@
 from kvoffload.engine import EngineConfig, LLMEngine, SamplingParams
 from kvoffload.events import BlockStored
 from kvoffload.events.subscriber import KVEventSubscriber
+from tests.events.published import record_published
 
 BS = 8
 PROMPTS = [[(7 * i + c) % 500 for i in range(40)] for c in range(3)]
@@ -57,14 +58,7 @@ def test_salted_and_lora_requests_keep_their_extra_keys_in_gpu_events() -> None:
     # the first block's only, the LoRA name in every block's (tests/compat checks
     # the same against vLLM's own code).
     engine = LLMEngine(config(events_endpoint="tcp://127.0.0.1:*"))
-    published: list = []
-    publish = engine.publisher.publish
-
-    def record(events: list) -> bool:
-        published.extend(events)
-        return publish(events)
-
-    engine.publisher.publish = record  # type: ignore[method-assign]
+    published = record_published(engine)
     prompt = PROMPTS[0]
     kinds = {
         "plain": {},

@@ -17,6 +17,7 @@ from kvoffload.engine import EngineConfig, LLMEngine, SamplingParams
 from kvoffload.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvoffload.events.journal import JOURNAL_NAME
 from kvoffload.offload.base import make_offload_key
+from tests.events.published import record_published
 
 BS = 4
 # Three conversations, each prompt sent twice at once (two GPU copies of every block).
@@ -37,14 +38,7 @@ def _engine(tmp_path: Path | None, **kw: object) -> tuple[LLMEngine, list[KVEven
             **kw,  # type: ignore[arg-type]
         )
     )
-    published: list[KVEvent] = []
-    publish = engine.publisher.publish
-
-    def record(events: list[KVEvent]) -> bool:
-        published.extend(events)
-        return publish(events)
-
-    engine.publisher.publish = record  # type: ignore[method-assign]
+    published = record_published(engine)
     return engine, published
 
 
