@@ -22,7 +22,6 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
     OffloadingConfig,
     OffloadingGroupConfig,
     OffloadingModelConfig,
-    OffloadingParallelConfig,
 )
 
 from kvoffload.integrations.vllm import KVOffloadConfigError, KVOffloadConnector  # noqa: E402
@@ -40,6 +39,7 @@ from tests.integrations.vllm_groups_rig import (  # noqa: E402
     layer_specs,
 )
 from tests.integrations.vllm_rig import CONNECTOR  # noqa: E402
+from tests.integrations.vllm_tier_rig import parallel_config  # noqa: E402
 
 PAGE = 2048
 
@@ -61,18 +61,7 @@ def config(layers: list[int], layout: str | None = "LBHNC", world: int = 1) -> O
         engine_id="e",
         model=OffloadingModelConfig(name="m", dtype="float16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=world,
-            tp_size=world,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
+        parallel=parallel_config(world),
         kv_cache_layout=layout,
     )
 

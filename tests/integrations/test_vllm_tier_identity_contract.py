@@ -26,11 +26,11 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
     OffloadingConfig,
     OffloadingGroupConfig,
     OffloadingModelConfig,
-    OffloadingParallelConfig,
 )
 
 from kvoffload.hashing.block_hash import SEED_ENV_VAR  # noqa: E402
 from kvoffload.integrations.vllm.tiers.identity import identity_digest, tier_identity  # noqa: E402
+from tests.integrations.vllm_tier_rig import parallel_config  # noqa: E402
 
 ROW_BYTES = 1 << 16
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
@@ -41,18 +41,7 @@ def _config(**changes: Any) -> OffloadingConfig:
     sections: dict[str, Any] = {
         "model": OffloadingModelConfig(name="org/tiny", dtype="float16"),
         "cache": OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
-        "parallel": OffloadingParallelConfig(
-            rank=0,
-            world_size=2,
-            tp_size=2,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
+        "parallel": parallel_config(2),
     }
     top: dict[str, Any] = {
         "groups": (OffloadingGroupConfig(tokens_per_block=32, layer_names=LAYERS, group_id=0),),

@@ -62,6 +62,24 @@ def redis_tier(url: str, **extra: Any) -> dict[str, Any]:
     return {"type": "KVOffloadRedisTier", "module_path": MODULE, "redis_url": url, **extra}
 
 
+def parallel_config(
+    world_size: int, data_parallel: tuple[int, int] = (0, 1), agnostic: bool = False
+) -> OffloadingParallelConfig:
+    """Rank 0 of a TP=``world_size`` engine (no PP, PCP or DCP); ``data_parallel`` as below."""
+    return OffloadingParallelConfig(
+        rank=0,
+        world_size=world_size,
+        tp_size=world_size,
+        pp_size=1,
+        pcp_size=1,
+        dcp_size=1,
+        data_parallel_index=data_parallel[0],
+        data_parallel_size=data_parallel[1],
+        data_parallel_rank_local=None,
+        is_parallelism_agnostic=agnostic,
+    )
+
+
 def offloading_config(
     tiers: list[dict[str, Any]],
     *,
@@ -84,18 +102,7 @@ def offloading_config(
         engine_id=engine_id or f"kvotest-{uuid.uuid4().hex[:10]}",
         model=OffloadingModelConfig(name=model, dtype="float16"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=world_size,
-            tp_size=world_size,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=data_parallel[0],
-            data_parallel_size=data_parallel[1],
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=agnostic,
-        ),
+        parallel=parallel_config(world_size, data_parallel, agnostic),
     )
 
 
