@@ -175,15 +175,23 @@ def _capture_spec() -> Iterator[list[Any]]:
         factory.create_spec = original  # type: ignore[method-assign]
 
 
-def _timed(result: SideResult, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+def _timed(
+    result: SideResult, name: str, fn: Callable[..., Any], depth: list[int]
+) -> Callable[..., Any]:
+    """``fn`` timed into ``result``; only the outermost of nested timed calls counts (a
+    connector's method may call another one through ``self``: counted once)."""
     clock = time.perf_counter
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if depth[0]:
+            return fn(*args, **kwargs)
+        depth[0] += 1
         t0 = clock()
         try:
             return fn(*args, **kwargs)
         finally:
             dt = clock() - t0
+            depth[0] -= 1
             result.connector_s += dt
             result.calls[name] = result.calls.get(name, 0.0) + dt
 
@@ -303,10 +311,11 @@ def run_side(
     connector = scheduler.connector
     assert connector is not None
     hits: dict[str, int] = {}
+    depth = [0]
     for name in CONNECTOR_METHODS:
         fn = getattr(connector, name, None)
         if callable(fn):
-            wrapped = _timed(result, name, fn)
+            wrapped = _timed(result, name, fn, depth)
             if name == "get_num_new_matched_tokens":
                 inner = wrapped
 
