@@ -18,12 +18,12 @@ import pytest  # noqa: E402
 from tests.integrations.vllm_groups_rig import (  # noqa: E402
     KVOFFLOAD_SPEC,
     STOCK,
-    VLLM_CPU_SPEC,
     GroupsRig,
     draft_spec,
     full_spec,
     layer_specs,
     sliding_spec,
+    vllm_cpu_reference,
 )
 from tests.integrations.vllm_rig import CONNECTOR  # noqa: E402
 
@@ -52,13 +52,7 @@ def test_sliding_window_and_full_attention_groups_load_every_groups_bytes(
     rig = GroupsRig.build(tmp_path / "kvoffload", specs, extra, conn)
     assert len(rig.groups) == 2
     serve_evict_return(rig)
-    reference = GroupsRig.build(
-        tmp_path / "vllm",
-        specs,
-        {"cpu_bytes_to_use": 4 << 20, **VLLM_CPU_SPEC},
-        STOCK,
-        instant=True,
-    )
+    reference = vllm_cpu_reference(tmp_path / "vllm", specs, 4 << 20)
     serve_evict_return(reference)
     assert rig.first_computed["again"] == reference.first_computed["again"] > 0
     assert sorted(rig.stored_keys) == sorted(reference.stored_keys)
@@ -92,13 +86,7 @@ def test_a_group_with_fewer_layers_gets_slots_of_its_own_size(tmp_path: Path) ->
     pools = {id(p): p for _, _, p in worker.group_pools}
     assert sorted(p.slot_bytes for p in pools.values()) == [page, 2 * page]
     serve_evict_return(rig)
-    reference = GroupsRig.build(
-        tmp_path / "vllm",
-        layer_specs(kinds),
-        {"cpu_bytes_to_use": 4 << 20, **VLLM_CPU_SPEC},
-        STOCK,
-        instant=True,
-    )
+    reference = vllm_cpu_reference(tmp_path / "vllm", layer_specs(kinds), 4 << 20)
     serve_evict_return(reference)
     assert rig.first_computed["again"] == reference.first_computed["again"] > 0
     assert sorted(rig.stored_keys) == sorted(reference.stored_keys)
@@ -145,12 +133,8 @@ def test_chunks_of_two_gpu_blocks_per_group_match_vllm(
     serve_evict_return(rig)
     rig.add([*PROMPT[:72], *range(900, 956)], "part")
     rig.run()
-    reference = GroupsRig.build(
-        tmp_path / "vllm",
-        layer_specs(kinds),
-        {"cpu_bytes_to_use": 4 << 20, "blocks_per_chunk": 2, **VLLM_CPU_SPEC},
-        STOCK,
-        instant=True,
+    reference = vllm_cpu_reference(
+        tmp_path / "vllm", layer_specs(kinds), 4 << 20, blocks_per_chunk=2
     )
     serve_evict_return(reference)
     reference.add([*PROMPT[:72], *range(900, 956)], "part")

@@ -22,10 +22,9 @@ import pytest  # noqa: E402
 
 from tests.integrations.vllm_groups_rig import (  # noqa: E402
     KINDS,
-    STOCK,
-    VLLM_CPU_SPEC,
     GroupsRig,
     layer_specs,
+    vllm_cpu_reference,
 )
 from tests.integrations.vllm_rig import CONNECTOR  # noqa: E402
 
@@ -49,13 +48,7 @@ def test_stores_and_loads_per_group_match_vllms_cpu_spec(tmp_path: Path, kind: s
     specs = layer_specs(KINDS[kind]())
     ours = GroupsRig.build(tmp_path / "kvoffload", specs, {"cpu_bytes": "8MiB"}, CONNECTOR)
     serve(ours)
-    theirs = GroupsRig.build(
-        tmp_path / "vllm",
-        specs,
-        {"cpu_bytes_to_use": 8 << 20, **VLLM_CPU_SPEC},
-        STOCK,
-        instant=True,
-    )
+    theirs = vllm_cpu_reference(tmp_path / "vllm", specs, 8 << 20)
     serve(theirs)
     assert len(ours.groups) >= 2
     assert sorted(ours.stored_keys) == sorted(theirs.stored_keys)

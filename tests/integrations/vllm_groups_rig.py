@@ -438,3 +438,15 @@ class GroupsRig:
             self.scheduler.connector.shutdown()
         if self.worker_connector is not None:
             self.worker_connector.shutdown()
+
+
+def vllm_cpu_reference(
+    path: Path, specs: dict[str, KVCacheSpec], cpu_bytes: int, **extra: Any
+) -> GroupsRig:
+    """vLLM's own ``CPUOffloadingSpec`` behind its stock connector, over the same layout.
+
+    Scheduler side only (``instant``): the stores, loads and hit lengths
+    kvoffload's are compared with; ``extra`` joins ``cpu_bytes_to_use``.
+    """
+    config = {"cpu_bytes_to_use": cpu_bytes, **extra, **VLLM_CPU_SPEC}
+    return GroupsRig.build(path, specs, config, STOCK, instant=True)
