@@ -33,7 +33,7 @@ from tests.integrations.vllm_groups_rig import (
     layer_specs,
     load_blocks,
 )
-from tests.integrations.vllm_rank_pool import STEP_TIMEOUT_S, PoolDriver, RankPool
+from tests.integrations.vllm_rank_pool import STEP_TIMEOUT_S, PoolDriver, RankPool, rank_stats
 from tests.integrations.vllm_rig import BLOCK_SIZE, make_request, write_tiny_llama
 from tests.integrations.vllm_step_parts import (
     finish_worker_step,
@@ -113,12 +113,7 @@ class _Rank:
         )
 
     def stats(self) -> dict[str, Any]:
-        return {
-            "bytes_verified": self.bytes_verified,
-            "blocks_verified": self.blocks_verified,
-            "mismatches": list(self.mismatches),
-            "in_flight": self.worker.num_in_flight(),
-        }
+        return rank_stats(self)
 
 
 class GroupsWorkerPool(RankPool):

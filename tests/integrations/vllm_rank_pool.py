@@ -25,6 +25,16 @@ from tests.integrations.vllm_step_parts import has_pending_work
 STEP_TIMEOUT_S = 600.0
 
 
+def rank_stats(rank: Any) -> dict[str, Any]:
+    """What every rank reports: loaded bytes and blocks verified, mismatches, jobs in flight."""
+    return {
+        "bytes_verified": rank.bytes_verified,
+        "blocks_verified": rank.blocks_verified,
+        "mismatches": list(rank.mismatches),
+        "in_flight": rank.worker.num_in_flight(),
+    }
+
+
 def serve_rank(rank: int, conn: Connection, make_rank: Any) -> None:
     """Serve commands until "exit": build an engine's rank, step it, report, shut it down."""
     import kvoffload.integrations.vllm.connector  # noqa: F401 - vLLM imported before "ready"

@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from tests.integrations.vllm_rank_pool import STEP_TIMEOUT_S, PoolDriver, RankPool
+from tests.integrations.vllm_rank_pool import STEP_TIMEOUT_S, PoolDriver, RankPool, rank_stats
 from tests.integrations.vllm_rig import (
     BLOCK_SIZE,
     NUM_KV_HEADS,
@@ -161,13 +161,7 @@ class _Rank:
         )
 
     def stats(self) -> dict[str, Any]:
-        return {
-            "bytes_verified": self.bytes_verified,
-            "blocks_verified": self.blocks_verified,
-            "mismatches": list(self.mismatches),
-            "in_flight": self.worker.num_in_flight(),
-            "failed_jobs": self.worker.failed_jobs,
-        }
+        return {**rank_stats(self), "failed_jobs": self.worker.failed_jobs}
 
 
 class WorkerPool(RankPool):
