@@ -250,13 +250,7 @@ def test_a_corrupt_disk_block_is_a_miss_under_both_failure_policies(
     rig.add([*PROMPT, 5, 6], req_id="again")
     rig.run()
     assert rig.kv_worker.failed_jobs == 0
-    finished = {
-        o.request_id: str(o.finish_reason)
-        for outs in rig.outputs
-        for eco in outs.values()
-        for o in eco.outputs
-        if o.finished
-    }
+    finished = rig.finish_reasons()
     assert "error" not in finished["again"].lower()
     assert rig.mismatches == []
     assert_no_leaks(rig)

@@ -83,16 +83,6 @@ def _holds_its_own_kv(rig: VLLMRig, block_id: int, block_hash: bytes) -> bool:
     return True
 
 
-def _finish_reasons(rig: VLLMRig) -> dict[str, str]:
-    return {
-        o.request_id: str(o.finish_reason)
-        for outs in rig.outputs
-        for eco in outs.values()
-        for o in eco.outputs
-        if o.finished
-    }
-
-
 @pytest.mark.parametrize("loads", ["async", "sync"])
 @pytest.mark.parametrize("scheduler_cls", [Scheduler, AsyncScheduler])
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
@@ -156,7 +146,7 @@ def test_a_failed_load_goes_to_vllms_recovery_with_its_gpu_blocks(
     assert rig.kv_worker.failed_jobs == 1
     # vLLM was told exactly the failed job's GPU blocks, in one report.
     assert told == [set(fault.gpu_blocks)]
-    reasons = _finish_reasons(rig)
+    reasons = rig.finish_reasons()
     if policy == "recompute":
         assert "error" not in reasons["again"].lower()
         # Every prompt block held its own KV when the first token was sampled:

@@ -149,13 +149,7 @@ def test_a_failed_emulated_sync_load_is_a_miss_and_a_recompute(tmp_path: Path, p
     assert _steps_until_scheduled(rig, "again") == 1
     rig.run()
     assert fault.job_id in rig.sync_loads and rig.kv_worker.failed_jobs == 1
-    finished = {
-        o.request_id: str(o.finish_reason)
-        for outs in rig.outputs
-        for eco in outs.values()
-        for o in eco.outputs
-        if o.finished
-    }
+    finished = rig.finish_reasons()
     assert ("error" in finished["again"].lower()) == (policy == "fail")
     assert rig.mismatches == [] and rig.late_sync_loads == []
     assert_no_leaks(rig)

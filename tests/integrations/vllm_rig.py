@@ -55,6 +55,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvoffload.integrations.vllm import KVOffloadManager, KVOffloadWorker
 from tests.integrations.vllm_step_parts import (
+    finish_reasons,
     finish_worker_step,
     new_scheduler,
     prefix_hash_fn,
@@ -393,6 +394,10 @@ class VLLMRig:
         connector = self.scheduler.connector
         assert isinstance(connector, OffloadingConnector)
         return connector.connector_scheduler.manager
+
+    def finish_reasons(self) -> dict[str, str]:
+        """Each finished request's finish reason, by request id."""
+        return finish_reasons(self.outputs)
 
     def shutdown(self) -> None:
         if self.scheduler.connector is not None:

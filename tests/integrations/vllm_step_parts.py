@@ -69,6 +69,17 @@ def runner_output(scheduler: Any, output: Any, kv_output: Any) -> ModelRunnerOut
     )
 
 
+def finish_reasons(outputs: list[Any]) -> dict[str, str]:
+    """Each finished request's finish reason, by request id, from the scheduler's step outputs."""
+    return {
+        o.request_id: str(o.finish_reason)
+        for outs in outputs
+        for eco in outs.values()
+        for o in eco.outputs
+        if o.finished
+    }
+
+
 def has_pending_work(scheduler: Any) -> bool:
     """Whether the scheduler-side offload manager still waits on lower-tier work.
 

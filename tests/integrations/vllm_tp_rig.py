@@ -45,6 +45,7 @@ from tests.integrations.vllm_rig import (
     write_tiny_llama,
 )
 from tests.integrations.vllm_step_parts import (
+    finish_reasons,
     finish_worker_step,
     new_scheduler,
     prefix_hash_fn,
@@ -259,10 +260,4 @@ class TPRig(PoolDriver):
         return output
 
     def finish_reasons(self) -> dict[str, str]:
-        return {
-            o.request_id: str(o.finish_reason)
-            for outs in self.outputs
-            for eco in outs.values()
-            for o in eco.outputs
-            if o.finished
-        }
+        return finish_reasons(self.outputs)
