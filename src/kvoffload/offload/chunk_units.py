@@ -48,6 +48,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
+from typing import cast
 
 from kvoffload.offload.base import OffloadKey
 from kvoffload.offload.policies import CachePolicy
@@ -513,7 +514,8 @@ class ChunkUnitPolicy(CachePolicy):
             self.inner.hint_parent(child_unit, unit)  # type: ignore[arg-type]
 
     def _units(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
-        return [OffloadKey(u) for u in dict.fromkeys(k[:-_SUFFIX] for k in keys)]
+        # OffloadKey is a NewType: a cast, not one call per unit.
+        return cast(list[OffloadKey], list(dict.fromkeys([k[:-_SUFFIX] for k in keys])))
 
     def hint_queued(self, request_id: str, keys: Sequence[OffloadKey]) -> None:
         """The inner policy protects the request's chunks; its hit boundary keeps its window.
