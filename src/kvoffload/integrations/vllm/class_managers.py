@@ -22,6 +22,7 @@ chunk's keys in different classes are kept or dropped by their own classes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import takewhile
 from typing import Any
 
 from kvoffload.offload import CPULoadStoreSpec, CPUOffloadingManager, OffloadKey
@@ -96,12 +97,7 @@ class ClassedCPUManager:
         return self.manager_of(key).slot_of(key)
 
     def lookup(self, keys: Sequence[OffloadKey]) -> int:
-        n = 0
-        for key in keys:
-            if not self.is_stored(key):
-                break
-            n += 1
-        return n
+        return sum(1 for _ in takewhile(self.is_stored, keys))
 
     def prepare_load(self, keys: Sequence[OffloadKey]) -> CPULoadStoreSpec:
         parts = self._split(keys)
