@@ -190,6 +190,24 @@ def _first_run(tmp_path: Path) -> None:
         first.close()
 
 
+def _restart(tmp_path: Path) -> tuple[LLMEngine, list[KVEvent], Router]:
+    """The engine again on the same disk, one step taken, its first batch applied to a router.
+
+    That batch must open with ``AllBlocksCleared`` (a consumer drops the earlier
+    incarnation's entries first). The caller closes the engine.
+    """
+    engine, published = _engine(tmp_path)
+    router = Router()
+    try:
+        engine.step()
+        assert isinstance(published[0], AllBlocksCleared)
+        router.apply(published)
+    except BaseException:
+        engine.close()
+        raise
+    return engine, published, router
+
+
 def test_restart_on_the_same_disk_announces_its_blocks_with_their_tokens(
     tmp_path: Path,
 ) -> None:
@@ -197,14 +215,8 @@ def test_restart_on_the_same_disk_announces_its_blocks_with_their_tokens(
     # batch clears the earlier incarnation, then announces the disk's blocks described.
     _first_run(tmp_path)
     assert (tmp_path / "disk" / JOURNAL_NAME).exists()
-    engine, published = _engine(tmp_path)
-    router = Router()
-    try:
-        engine.step()
-        assert isinstance(published[0], AllBlocksCleared)
-        router.apply(published)
-    finally:
-        engine.close()
+    engine, _, router = _restart(tmp_path)
+    engine.close()
     on_disk = router.held.get("DISK", set())
     assert on_disk, "the restarted disk tier announced nothing"
     assert router.described_hashes.get("DISK", set()) == on_disk
@@ -218,13 +230,8 @@ def test_restart_without_kept_payloads_describes_blocks_once_seen_again(
     # re-announces them described. The set stays exact throughout.
     _first_run(tmp_path)
     (tmp_path / "disk" / JOURNAL_NAME).unlink()
-    engine, published = _engine(tmp_path)
-    router = Router()
+    engine, published, router = _restart(tmp_path)
     try:
-        engine.step()
-        # A consumer still holding the earlier incarnation's entries drops them first.
-        assert isinstance(published[0], AllBlocksCleared)
-        router.apply(published)
         published.clear()
         on_disk = set(router.held.get("DISK", set()))
         assert on_disk, "the restarted disk tier announced nothing"
