@@ -15,6 +15,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+from tests.integrations import vllm_groups_rig as groups_rig  # noqa: E402
 from tests.integrations.vllm_groups_rig import (  # noqa: E402
     KVOFFLOAD_SPEC,
     STOCK,
@@ -31,13 +32,7 @@ PROMPT = list(range(1, 129))  # 8 full blocks of 16 tokens
 
 
 def serve_evict_return(rig: GroupsRig, n_flood: int = 3) -> None:
-    rig.add(PROMPT, "first")
-    rig.run()
-    for i in range(n_flood):
-        rig.add([2000 + 200 * i + j for j in range(len(PROMPT))], f"flood{i}")
-        rig.run()
-    rig.add([*PROMPT, 5, 6], "again")
-    rig.run()
+    groups_rig.serve_evict_return(rig, PROMPT, n_flood)
 
 
 @pytest.mark.parametrize("connector", ["KVOffloadConnector", "OffloadingConnector"])

@@ -24,6 +24,7 @@ from tests.integrations.vllm_groups_rig import (  # noqa: E402
     KINDS,
     GroupsRig,
     layer_specs,
+    serve_evict_return,
     vllm_cpu_reference,
 )
 from tests.integrations.vllm_rig import CONNECTOR  # noqa: E402
@@ -32,13 +33,7 @@ PROMPT = list(range(1, 161))  # 10 full blocks of 16 tokens
 
 
 def serve(rig: GroupsRig) -> None:
-    rig.add(PROMPT, "first")
-    rig.run()
-    for i in range(3):
-        rig.add([3000 + 200 * i + j for j in range(len(PROMPT))], f"flood{i}")
-        rig.run()
-    rig.add([*PROMPT, 5, 6], "again")
-    rig.run()
+    serve_evict_return(rig, PROMPT, flood_base=3000)
     rig.add([*PROMPT[:100], *range(900, 960)], "part")
     rig.run()
 

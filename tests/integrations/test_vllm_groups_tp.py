@@ -17,6 +17,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+from tests.integrations.vllm_groups_rig import serve_evict_return  # noqa: E402
 from tests.integrations.vllm_groups_tp_rig import GroupsTPRig, GroupsWorkerPool  # noqa: E402
 from tests.integrations.vllm_rig import CONNECTOR  # noqa: E402
 
@@ -48,13 +49,7 @@ def test_sliding_window_layout_at_tp2_loads_every_ranks_bytes_of_every_group(
         extra["disk_dir"] = str(tmp_path / "disk")
     rig = GroupsTPRig.build(pool, tmp_path, "sliding_window", extra, CONNECTOR)
     try:
-        rig.add(PROMPT, "first")
-        rig.run()
-        for i in range(3):
-            rig.add([2000 + 200 * i + j for j in range(len(PROMPT))], f"flood{i}")
-            rig.run()
-        rig.add([*PROMPT, 5, 6], "again")
-        rig.run()
+        serve_evict_return(rig, PROMPT)
         assert rig.first_computed["again"] > 0, "the returning prompt should hit the CPU tier"
         stats = rig.rank_stats()
         for rank, s in enumerate(stats):

@@ -450,3 +450,21 @@ def vllm_cpu_reference(
     """
     config = {"cpu_bytes_to_use": cpu_bytes, **extra, **VLLM_CPU_SPEC}
     return GroupsRig.build(path, specs, config, STOCK, instant=True)
+
+
+def serve_evict_return(
+    rig: Any, prompt: list[int], n_flood: int = 3, flood_base: int = 2000
+) -> None:
+    """Serve ``prompt`` ("first"), push it out of the GPU tier, serve it again ("again").
+
+    The flood is ``n_flood`` unrelated prompts of the same length ("flood{i}",
+    token ids from ``flood_base``), each run to the end; "again" is ``prompt``
+    plus two tokens. ``rig`` is a ``GroupsRig`` or a ``GroupsTPRig``.
+    """
+    rig.add(prompt, "first")
+    rig.run()
+    for i in range(n_flood):
+        rig.add([flood_base + 200 * i + j for j in range(len(prompt))], f"flood{i}")
+        rig.run()
+    rig.add([*prompt, 5, 6], "again")
+    rig.run()
