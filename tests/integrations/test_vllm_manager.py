@@ -167,7 +167,7 @@ def test_a_store_the_tier_declines_is_not_stored() -> None:
 
 
 def test_a_cpu_tier_hit_is_counted_as_host_memory() -> None:
-    """vLLM's per-source counter puts kvoffload's CPU-tier hits under "host", as its own CPU tier's."""
+    """vLLM's per-source counter puts CPU-tier hits under "host", as its own CPU tier's."""
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
     m = cpu_only()
