@@ -28,13 +28,13 @@ from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import TransferSpec
 
 GPU, CPU = GPU_MEDIUM, CPU_MEDIUM
-# Jobs of at least this many bytes per shard are split into shards, up to one
-# per pool thread. One thread copies at close to a bulk copy's speed here, so
-# a load of ordinary size is one piece: a synchronous load then runs whole on
-# the waiting thread, and a second shard would wait for a pool thread to get
-# a core (measured on 2 shared cores: 12 MB at 0.65x a bulk copy in two
-# shards, 0.74x in one; 1.2 GB/s when handed to the pool at all).
-SHARD_MIN_BYTES = 32 << 20
+# Jobs at least this big are split into one shard per pool thread, so that a
+# big job uses every core; smaller ones are not worth the hand-offs. A waited
+# job (a synchronous load) still starts at once: the waiting thread runs the
+# shards no pool thread has taken (run_on_wait). Splitting only from 32 MiB a
+# shard (5aa37a2) left one thread per job: `bench transfer` fell from
+# 0.78-0.99 of a bulk copy to 0.16-0.52 (256 KiB blocks, same interleaved run).
+SHARD_MIN_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,8 @@ class CpuGpuTransferHandler(ThreadPoolTransferHandler):
         job = self.planner.plan(spec)
         n = job.pairs.num_rows
         shards = 1
-        if job.num_bytes >= 2 * SHARD_MIN_BYTES:
-            shards = min(self.num_threads, n, job.num_bytes // max(SHARD_MIN_BYTES, 1))
+        if job.num_bytes >= SHARD_MIN_BYTES:
+            shards = min(self.num_threads, n)
         parts: list[Work] = []
         bounds = np.linspace(0, n, shards + 1).astype(np.int64).tolist()
         for a, b in itertools.pairwise(bounds):
