@@ -63,6 +63,20 @@ def test_the_default_budget_is_on_without_async_scheduling(
     rig.shutdown()
 
 
+def _spy_expedited(rig: VLLMRig) -> list[bool]:
+    """Records, per load the worker submits from now on, whether it came expedited."""
+    worker = rig.kv_worker.worker
+    real = worker.submit_load
+    seen: list[bool] = []
+
+    def spy(job_id: int, spec: object, expedited: bool = False) -> None:
+        seen.append(expedited)
+        real(job_id, spec, expedited)  # type: ignore[arg-type]
+
+    worker.submit_load = spy  # type: ignore[method-assign]
+    return seen
+
+
 def _steps_until_scheduled(rig: VLLMRig, req_id: str, limit: int = 50) -> int:
     """Engine steps from the request's arrival to the step that computes it (1: the first)."""
     for n in range(1, limit + 1):
@@ -98,8 +112,11 @@ def test_a_hit_under_the_budget_is_computed_in_the_step_it_is_found(
     # A new full block after the hit: the step that loads also offers a store
     # (vLLM 0.32 asserts no load is pending then; kvoffload's sync load is).
     rig.add([*PROMPT, *range(200, 218)], req_id="again")
+    expedited = _spy_expedited(rig)
     assert _steps_until_scheduled(rig, "again") == 1
     assert len(rig.sync_loads) == 1  # one load, finished before the step's forward pass
+    # Expedited: run whole by the waiting engine thread, not queued on the pool.
+    assert expedited == [True]
     _served_from_cpu_tier(rig, "again")
     assert rig.blocks_verified == PROMPT_BLOCKS
     rig.shutdown()
@@ -110,9 +127,11 @@ def test_a_hit_over_the_budget_stays_asynchronous_and_correct(tmp_path: Path, pa
     rig = _rig(tmp_path, path, budget=HIT_BYTES - 1)
     _evicted(rig, PROMPT)
     rig.add([*PROMPT, 5, 6], req_id="again")
+    expedited = _spy_expedited(rig)
     rig.step()
     assert rig.scheduler.requests["again"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert rig.sync_loads == []
+    assert expedited == [False]
     _served_from_cpu_tier(rig, "again")
     assert rig.blocks_verified == PROMPT_BLOCKS
     rig.shutdown()

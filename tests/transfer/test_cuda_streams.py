@@ -109,6 +109,19 @@ def test_streams_are_dedicated_low_priority_and_wait_for_compute() -> None:
     assert len(s_store.events) == 1 and len(s_load.events) == 1
 
 
+def test_an_expedited_load_does_not_queue_behind_the_other_loads() -> None:
+    _layout, _gpu, _pool, api, handler = make_handler()
+    handler.submit(1, load([0, 1], [2, 3]))
+    handler.submit(2, load([2], [5]), expedited=True)
+    handler.submit(3, store([6], [4]), expedited=True)  # only loads take the lane
+    lanes = {name: len(s.events) for name, s in handler._streams.items()}
+    assert lanes == {"store": 1, "load": 1, "expedited": 1}
+    fast = handler._streams["expedited"]
+    assert fast.waited_on == [api.compute] and fast.priority == TRANSFER_STREAM_PRIORITY
+    fast.events[0].done = True
+    assert [r.job_id for r in handler.get_finished()] == [2]  # the others still run
+
+
 def test_results_only_after_the_event_completes() -> None:
     _layout, _gpu, _pool, _api, handler = make_handler()
     handler.submit(1, store([3, 4], [1, 2]))

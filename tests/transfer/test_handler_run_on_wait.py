@@ -10,8 +10,11 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 import torch
 
+from kvoffload.transfer import GpuCpuJobPlanner, HostPool, KVGeometry, KVLayout
+from kvoffload.transfer.gpu_cpu import SHARD_MIN_BYTES, CpuGpuTransferHandler
 from kvoffload.transfer.handler import ThreadPoolTransferHandler, Work
 from kvoffload.transfer.spec import TransferSpec
 from tests.transfer.test_worker import load, make, random_fill, settle
@@ -88,3 +91,62 @@ def test_loads_waited_at_once_copy_the_right_bytes() -> None:
             for gp, hp in zip(layout.block_planes(gpu), layout.block_planes(pool.tensors)):
                 for s, t in zip(slots, targets):
                     assert torch.equal(gp[t], hp[s])
+
+
+def _pool_drained(handler: ThreadPoolTransferHandler) -> None:
+    """Returns once the (single) pool thread has run everything queued before this call."""
+    handler._pool.submit(lambda: None).result(timeout=30)
+
+
+def test_an_expedited_job_is_left_to_the_waiting_thread() -> None:
+    handler = Recorder()
+    handler.gate.set()
+    handler.submit(2, _spec(), expedited=True)
+    _pool_drained(handler)
+    # Handed to the pool, the idle pool thread would have run it by now.
+    assert handler.ran == []
+    handler.wait([2])
+    assert [name for _, name in handler.ran] == [threading.current_thread().name] * 3
+    assert handler.get_finished()[0].num_bytes == 3
+    handler.close()
+
+
+@pytest.mark.parametrize("then", ["get_finished", "submit", "timed_wait", "close"])
+def test_an_expedited_job_nobody_waits_for_is_not_stranded(then: str) -> None:
+    handler = Recorder()
+    handler.gate.set()
+    handler.submit(2, _spec(), expedited=True)
+    if then == "get_finished":
+        handler.get_finished()
+    elif then == "submit":
+        handler.submit(3, _spec())
+    elif then == "timed_wait":
+        handler.wait([9], timeout=0.001)
+    else:
+        handler.close()  # finishes what was handed over before it returns
+        assert sorted(job for job, _ in handler.ran) == [2, 2, 2]
+        return
+    assert handler.wait([2, 3], timeout=30)
+    assert all(name != threading.current_thread().name for _, name in handler.ran)
+    assert 2 in {r.job_id for r in handler.get_finished()}
+    handler.close()
+
+
+def test_an_expedited_load_is_one_part_of_the_right_bytes() -> None:
+    # Big enough to be split across the pool threads were it not expedited.
+    layout = KVLayout(KVGeometry(4, 8, 64, 16, torch.float16), "layer_first")
+    gpu = layout.allocate(96)
+    pool = HostPool(layout, 96)
+    random_fill(pool.tensors, 3)
+    handler = CpuGpuTransferHandler(GpuCpuJobPlanner(gpu, layout, pool), num_threads=2)
+    slots, targets = list(range(10, 74)), list(range(30, 94))
+    assert len(slots) * layout.bytes_per_block >= SHARD_MIN_BYTES
+    assert len(handler.prepare(1, load(slots, targets))) == 2  # the pool's way: one per thread
+    handler.submit(2, load(slots, targets), expedited=True)
+    assert len(handler._unclaimed[2]) == 1
+    handler.wait([2])
+    (result,) = handler.get_finished()
+    assert result.success and result.num_bytes == len(slots) * layout.bytes_per_block
+    for gp, hp in zip(layout.block_planes(gpu), layout.block_planes(pool.tensors)):
+        assert torch.equal(gp[30:94], hp[10:74])
+    handler.close()

@@ -21,7 +21,7 @@ the call, nothing inside changed) and one JSON line appended to
   ``{"kind": "worker_step", "finished_s", "meta_s", "errors_s"}``;
 - worker side, the step after a synchronous load: one bulk copy of the same
   number of bytes on the same thread from memory as cold as a load's,
-  ``{"kind": "bulk", "bytes", "seconds", "hot_seconds"}`` (then the same
+  ``{"kind": "bulk", "bytes", "seconds", "hot_seconds", "torch_threads"}`` (then the same
   copy again, cache-hot), the reference a load's GB/s is compared with (it
   runs after the hit's first token, so it never delays a hit).
 
@@ -187,7 +187,13 @@ class ProfiledKVOffloadConnector(KVOffloadConnector):
         t = time.perf_counter()
         dst.copy_(src)
         hot = time.perf_counter() - t
-        self._sink.write(kind="bulk", bytes=nbytes, seconds=cold, hot_seconds=hot)
+        self._sink.write(
+            kind="bulk",
+            bytes=nbytes,
+            seconds=cold,
+            hot_seconds=hot,
+            torch_threads=torch.get_num_threads(),
+        )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         worker = self.kvoffload_worker

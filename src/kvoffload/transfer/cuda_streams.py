@@ -1,7 +1,8 @@
 """GPU<->CPU jobs on dedicated CUDA streams, completion tracked by events.
 
 ``submit`` validates the job and *enqueues* its copies on a transfer stream
-(one for stores, one for loads, so a load never queues behind a long store),
+(one for stores, one for loads, so a load never queues behind a long store,
+and one for expedited loads, which must not queue behind the others),
 after making that stream wait for the work already queued on the current
 (compute) stream: a store must see the KV the model just wrote, and a load
 must not overwrite blocks a queued kernel still reads. An event recorded
@@ -50,13 +51,14 @@ class CudaStreamTransferHandler(TransferHandler):
         self._streams = {
             "store": self.api.Stream(device=device, priority=TRANSFER_STREAM_PRIORITY),
             "load": self.api.Stream(device=device, priority=TRANSFER_STREAM_PRIORITY),
+            "expedited": self.api.Stream(device=device, priority=TRANSFER_STREAM_PRIORITY),
         }
         # job id -> (event, spec, bytes, submit time); dict order is submit order.
         self._pending: dict[int, tuple[Any, TransferSpec, int, float]] = {}
         self._done: list[TransferResult] = []
         self._closed = False
 
-    def submit(self, job_id: int, spec: TransferSpec) -> None:
+    def submit(self, job_id: int, spec: TransferSpec, expedited: bool = False) -> None:
         if self._closed:
             raise RuntimeError("transfer handler is closed")
         if job_id in self._pending or any(r.job_id == job_id for r in self._done):
@@ -64,7 +66,8 @@ class CudaStreamTransferHandler(TransferHandler):
         start = time.perf_counter()
         try:
             job = self.planner.plan(spec)
-            stream = self._streams[job.direction]
+            lane = "expedited" if expedited and job.direction == "load" else job.direction
+            stream = self._streams[lane]
             stream.wait_stream(self.api.current_stream(self.planner.device))
             with self.api.stream(stream):
                 copy_rows(job.groups, job.pairs, self.strategy, non_blocking=True)

@@ -123,7 +123,10 @@ class CpuGpuTransferHandler(ThreadPoolTransferHandler):
     (tests, benchmarks); None lets ``choose_strategy`` decide per job.
 
     A job waited for (a synchronous load) runs on the waiting thread as far
-    as the pool threads have not started it (``run_on_wait``).
+    as the pool threads have not started it (``run_on_wait``). An expedited
+    one is one part, run whole by the waiting thread: its copies split across
+    that thread's torch threads, which beat a shard per pool thread (measured
+    on 2 cores, 12 MB: 13 GB/s against 5.6-7.8, a bulk copy 12).
     """
 
     run_on_wait = True
@@ -151,6 +154,10 @@ class CpuGpuTransferHandler(ThreadPoolTransferHandler):
             nbytes = (b - a) * self.planner.layout.bytes_per_block
             parts.append(self._part(job.groups, pairs, nbytes))
         return parts
+
+    def prepare_expedited(self, job_id: int, spec: TransferSpec) -> list[Work]:
+        job = self.planner.plan(spec)
+        return [self._part(job.groups, job.pairs, job.num_bytes)]
 
     def _part(self, groups: GroupPairs, pairs: RowPairs, nbytes: int) -> Work:
         def work() -> int:

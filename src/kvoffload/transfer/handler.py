@@ -11,6 +11,10 @@ pairs. Contract, which ``OffloadingWorker`` relies on:
 - ``wait(job_ids)`` returns when none of those jobs is still running (their
   results may still be waiting for ``get_finished``); unknown ids are
   ignored. It returns False if ``timeout`` expired first.
+- ``submit(..., expedited=True)`` promises that the caller waits for the job
+  next (a synchronous load, whose request computes in this step): the
+  handler may run it on the waiting thread and must not queue it behind jobs
+  submitted without the flag. The job is still reported by ``get_finished``.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ class TransferHandler(ABC):
     """Executes transfer jobs asynchronously; see the module docstring for the contract."""
 
     @abstractmethod
-    def submit(self, job_id: int, spec: TransferSpec) -> None: ...
+    def submit(self, job_id: int, spec: TransferSpec, expedited: bool = False) -> None: ...
 
     @abstractmethod
     def get_finished(self) -> list[TransferResult]: ...
@@ -85,6 +89,13 @@ class ThreadPoolTransferHandler(TransferHandler):
     them. A synchronous load, waited for as soon as it is submitted, then
     costs no hand-off, and a busy or descheduled pool thread never holds it
     up. Each part runs exactly once (claimed under the lock), whoever runs it.
+
+    With ``run_on_wait``, an expedited job (``prepare_expedited``'s parts)
+    is not handed to the pool at all: the waiting thread runs it with that
+    thread's own torch threads (the engine's, idle while it waits), where a
+    pool thread would add a second team on the same cores. Should no wait
+    name it, the next ``get_finished``, ``wait``, non-expedited ``submit`` or
+    ``close`` hands it to the pool, so no job is ever stranded.
 
     Torch releases the GIL inside copies, so the threads copy in parallel.
     Each pool thread runs torch ops with ``intra_op_threads`` threads
@@ -119,12 +130,20 @@ class ThreadPoolTransferHandler(TransferHandler):
         self._done: list[TransferResult] = []
         self._closed = False
         self._unclaimed: dict[int, list[_Part]] = {}  # job id -> parts nobody started
+        self._held: list[_Part] = []  # expedited parts kept off the pool for the waiter
 
     @abstractmethod
     def prepare(self, job_id: int, spec: TransferSpec) -> Work | list[Work]: ...
 
-    def submit(self, job_id: int, spec: TransferSpec) -> None:
+    def prepare_expedited(self, job_id: int, spec: TransferSpec) -> Work | list[Work]:
+        """``prepare`` for a job the caller waits for next; the same work by default."""
+        return self.prepare(job_id, spec)
+
+    def submit(self, job_id: int, spec: TransferSpec, expedited: bool = False) -> None:
         start = time.perf_counter()
+        hold = expedited and self.run_on_wait
+        if not hold:
+            self._release_held()
         with self._cond:
             if self._closed:
                 raise RuntimeError("transfer handler is closed")
@@ -133,7 +152,7 @@ class ThreadPoolTransferHandler(TransferHandler):
             self._in_use.add(job_id)
             self._running.add(job_id)
         try:
-            work = self.prepare(job_id, spec)
+            work = self.prepare_expedited(job_id, spec) if hold else self.prepare(job_id, spec)
         except Exception as exc:
             self._finish(job_id, spec, start, 0, exc)
             return
@@ -146,7 +165,20 @@ class ThreadPoolTransferHandler(TransferHandler):
             self._parts_left[job_id] = len(parts)
             self._part_bytes[job_id] = 0
             self._unclaimed[job_id] = list(queued)
+            if hold:
+                self._held.extend(queued)
+                return
         for part in queued:
+            self._pool.submit(self._run_claimed, part)
+
+    def _release_held(self) -> None:
+        """Hand expedited parts no wait has run to the pool (cheap when there are none)."""
+        if not self._held:
+            return
+        with self._cond:
+            held = [p for p in self._held if p in self._unclaimed.get(p.job_id, ())]
+            self._held = []
+        for part in held:
             self._pool.submit(self._run_claimed, part)
 
     def _claim(self, part: _Part) -> bool:
@@ -198,6 +230,7 @@ class ThreadPoolTransferHandler(TransferHandler):
             self._cond.notify_all()
 
     def get_finished(self) -> list[TransferResult]:
+        self._release_held()
         with self._cond:
             done, self._done = self._done, []
             self._in_use.difference_update(r.job_id for r in done)
@@ -212,10 +245,12 @@ class ThreadPoolTransferHandler(TransferHandler):
                     parts = list(self._unclaimed.get(job_id, ()))
                 for part in parts:
                     self._run_claimed(part)
+        self._release_held()
         with self._cond:
             return self._cond.wait_for(lambda: not (ids & self._running), timeout)
 
     def close(self) -> None:
+        self._release_held()
         with self._cond:
             self._closed = True
         self._pool.shutdown(wait=True)

@@ -96,11 +96,16 @@ class OffloadingWorker:
         """Start a store (GPU -> a tier); a spec from another medium is reported failed."""
         self._submit(job_id, spec, "store")
 
-    def submit_load(self, job_id: int, spec: SpecLike) -> None:
-        """Start a load (a tier -> GPU); a spec to another medium is reported failed."""
-        self._submit(job_id, spec, "load")
+    def submit_load(self, job_id: int, spec: SpecLike, expedited: bool = False) -> None:
+        """Start a load (a tier -> GPU); a spec to another medium is reported failed.
 
-    def _submit(self, job_id: int, spec: SpecLike, kind: str | None) -> None:
+        ``expedited``: the caller waits for it next (see ``TransferHandler``).
+        """
+        self._submit(job_id, spec, "load", expedited)
+
+    def _submit(
+        self, job_id: int, spec: SpecLike, kind: str | None, expedited: bool = False
+    ) -> None:
         if job_id in self._job_handler:
             raise ValueError(f"job id {job_id} is already in use")
         ts = as_transfer_spec(spec)
@@ -119,7 +124,7 @@ class OffloadingWorker:
             self._rejected.append(TransferResult(job_id, False, error, 0, src, dst, 0.0))
             return
         self._job_handler[job_id] = handler
-        handler.submit(job_id, ts)
+        handler.submit(job_id, ts, expedited)
 
     def get_finished(self) -> list[TransferResult]:
         """Results of jobs finished since the last call, each job exactly once."""

@@ -188,7 +188,7 @@ class ChunkSplitHandler(TransferHandler):
             parts[0] = TransferSpec(spec.src, spec.dst)
         return parts
 
-    def submit(self, job_id: int, spec: TransferSpec) -> None:
+    def submit(self, job_id: int, spec: TransferSpec, expedited: bool = False) -> None:
         if job_id in self._parts:
             raise ValueError(f"job id {job_id} is already in use")
         src, dst = spec.media
@@ -199,7 +199,7 @@ class ChunkSplitHandler(TransferHandler):
             return
         self._parts[job_id] = _Parts(set(parts), src, dst)
         for j, part in parts.items():
-            self.handlers[j].submit(job_id, part)
+            self.handlers[j].submit(job_id, part, expedited)
 
     def get_finished(self) -> list[TransferResult]:
         out, self._rejected = self._rejected, []

@@ -159,6 +159,10 @@ class KVOffloadConnector(OffloadingConnector):
         return worker if isinstance(worker, KVOffloadWorker) else None
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        jobs = getattr(self._connector_metadata, "sync_load_jobs", None)
+        worker = self.kvoffload_worker
+        if jobs and worker is not None:
+            worker.expedite(jobs)
         super().start_load_kv(forward_context, **kwargs)
         # vLLM 0.32: the step's synchronous loads finish before the forward pass
         # (0.33 waits for its own in start_kv_transfers).

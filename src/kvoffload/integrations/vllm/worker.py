@@ -244,6 +244,7 @@ class KVOffloadWorker(OffloadingWorker):
         self.bytes_stored = 0
         self.failed_jobs = 0
         self.failed_job_ids: set[int] = set()
+        self._expedite: set[int] = set()
 
     @staticmethod
     def _inner(spec: LoadStoreSpec) -> tuple[object, int]:
@@ -298,13 +299,18 @@ class KVOffloadWorker(OffloadingWorker):
         dst_spec: GPULoadStoreSpec,
         expedited: bool = False,
     ) -> bool:
-        # kvoffload's handlers run jobs in submission order per thread; an
-        # expedited load is waited on by vLLM within the step either way.
+        # vLLM 0.32 has no flag: its synchronous jobs are named beforehand (expedite).
+        expedited = expedited or job_id in self._expedite
+        self._expedite.discard(job_id)
         inner, op_id = self._inner(src_spec)
         gpu, cpu = self._pair(dst_spec, inner)
         self._jobs[job_id] = _Job(op_id, [int(b) for b in dst_spec.block_ids], True)
-        self.worker.submit_load(job_id, (cpu, gpu))  # type: ignore[arg-type]
+        self.worker.submit_load(job_id, (cpu, gpu), expedited)  # type: ignore[arg-type]
         return True
+
+    def expedite(self, job_ids: set[int]) -> None:
+        """Submit these loads, when they come, as expedited (waited for in the same step)."""
+        self._expedite = set(job_ids)
 
     def get_finished(self) -> list[TransferResult]:
         out: list[TransferResult] = []
