@@ -60,7 +60,9 @@ class FailOneLoad:
         self.gpu_blocks: list[int] = []
         self.worker.submit_load = self.submit_load  # type: ignore[method-assign]
 
-    def submit_load(self, job_id: int, spec: Any, expedited: bool = False) -> None:
+    def submit_load(
+        self, job_id: int, spec: Any, expedited: bool = False, stages: Any = None
+    ) -> None:
         src, dst = spec
         if self.armed and isinstance(src, CPULoadStoreSpec) and isinstance(dst, GPULoadStoreSpec):
             self.armed = False
@@ -72,7 +74,7 @@ class FailOneLoad:
                     row = plane[b]
                     row.copy_(torch.randint(0, 256, row.shape, dtype=torch.uint8, generator=gen))
             src = CPULoadStoreSpec(np.full(len(src.block_ids), 1 << 30, dtype=np.int64))
-        self.real_submit(job_id, (src, dst), expedited)
+        self.real_submit(job_id, (src, dst), expedited, stages)
 
 
 def _holds_its_own_kv(rig: VLLMRig, block_id: int, block_hash: bytes) -> bool:

@@ -69,9 +69,9 @@ def _spy_expedited(rig: VLLMRig) -> list[bool]:
     real = worker.submit_load
     seen: list[bool] = []
 
-    def spy(job_id: int, spec: object, expedited: bool = False) -> None:
+    def spy(job_id: int, spec: object, expedited: bool = False, stages: object = None) -> None:
         seen.append(expedited)
-        real(job_id, spec, expedited)  # type: ignore[arg-type]
+        real(job_id, spec, expedited, stages)  # type: ignore[arg-type]
 
     worker.submit_load = spy  # type: ignore[method-assign]
     return seen

@@ -242,6 +242,13 @@ class VLLMRig:
     late_sync_loads: list[int] = field(default_factory=list)
     #: Synchronous load jobs seen (each finished before its step's forward pass).
     sync_loads: list[int] = field(default_factory=list)
+    #: The fake forward pass calls ``wait_for_layer_load`` before each layer's attention,
+    #: in ``kv_caches`` order, and checks that layer's KV of the step's synchronous loads.
+    forward_layers: bool = False
+    #: (job, layer) whose KV was not in place when that layer's attention would read it.
+    early_reads: list[tuple[int, str]] = field(default_factory=list)
+    #: Called with each layer's name after its check (tests look at the planes then).
+    on_layer: Any = None
     _pending: dict[int, _PendingLoad] = field(default_factory=dict)
     _written: dict[int, bytes] = field(default_factory=dict)
     _next_id: int = 0
@@ -334,6 +341,37 @@ class VLLMRig:
             for block_id, block_hash in zip(load.gpu_blocks, load.hashes):
                 self._check_block(load.req_id, block_id, block_hash)
 
+    def layer_spans(self) -> dict[str, tuple[int, int, int]]:
+        """Each layer's bytes in the block rows, by KV address: (plane, start, stop)."""
+        planes = self._planes()
+        out = {}
+        for name, t in self.kv_caches.items():
+            ptr, size = t.data_ptr(), t[0].numel() * t.element_size()
+            for p, plane in enumerate(planes):
+                base = plane.data_ptr()
+                if base <= ptr < base + plane.shape[1]:
+                    out[name] = (p, ptr - base, ptr - base + size)
+        assert out.keys() == self.kv_caches.keys()
+        return out
+
+    def layer_in_place(self, span: tuple[int, int, int], block_id: int, block_hash: bytes) -> bool:
+        p, a, b = span
+        row = self._planes()[p][block_id]
+        want = pattern(block_hash, p, row.numel()).view(np.uint8)
+        return np.array_equal(row.numpy()[a:b], want[a:b])
+
+    def _attend(self, wc: Any, sync: list[int]) -> None:
+        """The layers of a forward pass: each waits for its KV, which must then be in place."""
+        for name, span in self.layer_spans().items():
+            wc.wait_for_layer_load(name)
+            for job_id in sync:
+                load = self._pending[job_id]
+                blocks = zip(load.gpu_blocks, load.hashes)
+                if not all(self.layer_in_place(span, b, h) for b, h in blocks):
+                    self.early_reads.append((job_id, name))
+            if self.on_layer is not None:
+                self.on_layer(name)
+
     def step(self) -> Any:
         output = self.scheduler.schedule()
         self.preempted |= set(output.preempted_req_ids or ())
@@ -350,7 +388,9 @@ class VLLMRig:
             # A synchronous load must be done before the forward pass; its bytes are
             # checked with the others once get_finished says whether it failed.
             self.sync_loads += sync
-            if not self.kv_worker.worker.wait(sync, timeout=0):
+            if self.forward_layers:
+                self._attend(wc, sync)
+            elif not self.kv_worker.worker.wait(sync, timeout=0):
                 self.late_sync_loads += sync
             self._compute(output)
             connector_output = finish_worker_step(

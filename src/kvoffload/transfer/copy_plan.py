@@ -38,6 +38,7 @@ copies: a store may use ``runs`` or ``dst_runs``, a load ``runs`` or
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from collections.abc import Sequence
@@ -141,13 +142,18 @@ class GroupPairs:
     """
 
     def __init__(
-        self, layout: KVLayout, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]
+        self,
+        layout: KVLayout,
+        src: Sequence[torch.Tensor],
+        dst: Sequence[torch.Tensor],
+        fuse: bool = True,
     ) -> None:
         width = math.gcd(layout.view_width(src), layout.view_width(dst))
         # Across devices every copy must be a contiguous slice on both sides to
         # be one asynchronous memcpy; a fused multi-plane slice is strided, and
         # torch would stage it through pageable memory synchronously.
-        fuse = src[0].device == dst[0].device
+        # ``fuse=False`` keeps group i == plane i (for copying some planes only).
+        fuse = fuse and src[0].device == dst[0].device
         self.narrow = self._pairs(layout, src, dst, 1, fuse)
         self.wide = self._pairs(layout, src, dst, width, fuse)
         self.src_device = self.narrow[0][0].device
@@ -169,6 +175,18 @@ class GroupPairs:
             sg = layout.block_groups(src, width, fuse=False)
             dg = layout.block_groups(dst, width, fuse=False)
         return list(zip(sg, dg))
+
+    def spans(self, spans: Sequence[tuple[int, int, int]]) -> GroupPairs:
+        """The same pairs restricted to byte ranges of rows: ``(plane, start, stop)`` each,
+        on unfused groups (group i is plane i). Rows narrowed so are strided: copy them
+        with the ``runs`` strategy, whose slice copies take any strides."""
+        out = copy.copy(self)
+        out.narrow = [
+            (s[:, :, a:b], d[:, :, a:b]) for p, a, b in spans for s, d in [self.narrow[p]]
+        ]
+        out.wide = out.narrow
+        out.bytes_per_block = sum(b - a for _, a, b in spans)
+        return out
 
     @property
     def cross_device(self) -> str | None:

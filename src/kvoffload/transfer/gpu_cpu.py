@@ -66,6 +66,16 @@ class GpuCpuJobPlanner:
         self.device = self.gpu_tensors[0].device
         self.store_groups = GroupPairs(layout, self.gpu_tensors, host_pool.tensors)
         self.load_groups = GroupPairs(layout, host_pool.tensors, self.gpu_tensors)
+        self._load_planes: GroupPairs | None = None
+
+    @property
+    def load_planes(self) -> GroupPairs:
+        """Load pairs with group i == plane i (``layout.block_planes``), for staged loads."""
+        if self._load_planes is None:
+            self._load_planes = GroupPairs(
+                self.layout, self.host_pool.tensors, self.gpu_tensors, fuse=False
+            )
+        return self._load_planes
 
     def _gpu_ids(self, spec: BlockIDsLoadStoreSpec) -> np.ndarray:
         ids = np.asarray(spec.block_ids, dtype=np.int64)
@@ -159,9 +169,55 @@ class CpuGpuTransferHandler(ThreadPoolTransferHandler):
         job = self.planner.plan(spec)
         return [self._part(job.groups, job.pairs, job.num_bytes)]
 
-    def _part(self, groups: GroupPairs, pairs: RowPairs, nbytes: int) -> Work:
+    supports_stages = True
+
+    def prepare_staged(
+        self, job_id: int, spec: TransferSpec, stages: Sequence[Sequence[tuple[int, int, int]]]
+    ) -> list[Work]:
+        """A load as one part per stage; a stage is a list of ``(plane, start, stop)`` byte
+        ranges of block rows (``layout.block_planes``). Bytes no stage names are copied by
+        a last part, so the job moves exactly the bytes of an unstaged one."""
+        job = self.planner.plan(spec)
+        if job.direction != "load":
+            raise ValueError("only a load can be staged")
+        planes = self.planner.load_planes
+        rest = _uncovered(stages, len(planes.narrow), self.planner.layout.plane_row_bytes)
+        parts = []
+        for stage in [*stages, rest] if rest else stages:
+            groups = planes.spans(stage)
+            nbytes = job.pairs.num_rows * groups.bytes_per_block
+            parts.append(self._part(groups, job.pairs, nbytes, "runs"))
+        return parts
+
+    def _part(
+        self, groups: GroupPairs, pairs: RowPairs, nbytes: int, strategy: str | None = None
+    ) -> Work:
         def work() -> int:
-            copy_rows(groups, pairs, self.strategy)
+            copy_rows(groups, pairs, strategy or self.strategy)
             return nbytes
 
         return work
+
+
+def _uncovered(
+    stages: Sequence[Sequence[tuple[int, int, int]]], num_planes: int, row_bytes: int
+) -> list[tuple[int, int, int]]:
+    """The byte ranges of the planes' rows that no stage names; ``ValueError`` on overlaps."""
+    by_plane: dict[int, list[tuple[int, int]]] = {}
+    for stage in stages:
+        for plane, start, stop in stage:
+            if not (0 <= plane < num_planes and 0 <= start < stop <= row_bytes):
+                raise ValueError(f"stage span {(plane, start, stop)} is outside the rows")
+            by_plane.setdefault(plane, []).append((start, stop))
+    rest = []
+    for plane in range(num_planes):
+        at = 0
+        for start, stop in sorted(by_plane.get(plane, [])):
+            if start < at:
+                raise ValueError(f"stage spans overlap in plane {plane} at byte {start}")
+            if start > at:
+                rest.append((plane, at, start))
+            at = stop
+        if at < row_bytes:
+            rest.append((plane, at, row_bytes))
+    return rest

@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from kvoffload.transfer.spec import TransferResult, TransferSpec
@@ -131,6 +131,7 @@ class ThreadPoolTransferHandler(TransferHandler):
         self._closed = False
         self._unclaimed: dict[int, list[_Part]] = {}  # job id -> parts nobody started
         self._held: list[_Part] = []  # expedited parts kept off the pool for the waiter
+        self._stages: dict[int, list[_Part]] = {}  # staged job id -> its parts, in stage order
 
     @abstractmethod
     def prepare(self, job_id: int, spec: TransferSpec) -> Work | list[Work]: ...
@@ -139,9 +140,44 @@ class ThreadPoolTransferHandler(TransferHandler):
         """``prepare`` for a job the caller waits for next; the same work by default."""
         return self.prepare(job_id, spec)
 
+    def prepare_staged(
+        self, job_id: int, spec: TransferSpec, stages: Sequence[Sequence[int]]
+    ) -> list[Work]:
+        """The job as one part per stage, in order (see ``submit_staged``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot stage a job")
+
+    #: Whether ``submit_staged`` works (``prepare_staged`` is implemented).
+    supports_stages: bool = False
+
     def submit(self, job_id: int, spec: TransferSpec, expedited: bool = False) -> None:
-        start = time.perf_counter()
         hold = expedited and self.run_on_wait
+        prepare = self.prepare_expedited if hold else self.prepare
+        self._enqueue(job_id, spec, lambda: prepare(job_id, spec), hold, staged=False)
+
+    def submit_staged(
+        self, job_id: int, spec: TransferSpec, stages: Sequence[Sequence[int]]
+    ) -> None:
+        """Submit ``spec`` as one part per stage, started at once in stage order.
+
+        ``stages`` names what each part copies (for GPU<->CPU jobs: plane
+        indices, e.g. one attention layer's); every unit of the job must be in
+        exactly one stage. ``wait_stage(job_id, k)`` returns once part ``k`` is
+        done, so a consumer can use the first stages while the rest copy. The
+        job is reported by ``get_finished`` as one job, as any other.
+        """
+        self._enqueue(
+            job_id, spec, lambda: self.prepare_staged(job_id, spec, stages), False, staged=True
+        )
+
+    def _enqueue(
+        self,
+        job_id: int,
+        spec: TransferSpec,
+        prepare: Callable[[], Work | list[Work]],
+        hold: bool,
+        staged: bool,
+    ) -> None:
+        start = time.perf_counter()
         if not hold:
             self._release_held()
         with self._cond:
@@ -152,7 +188,7 @@ class ThreadPoolTransferHandler(TransferHandler):
             self._in_use.add(job_id)
             self._running.add(job_id)
         try:
-            work = self.prepare_expedited(job_id, spec) if hold else self.prepare(job_id, spec)
+            work = prepare()
         except Exception as exc:
             self._finish(job_id, spec, start, 0, exc)
             return
@@ -165,11 +201,28 @@ class ThreadPoolTransferHandler(TransferHandler):
             self._parts_left[job_id] = len(parts)
             self._part_bytes[job_id] = 0
             self._unclaimed[job_id] = list(queued)
+            if staged:
+                self._stages[job_id] = queued
             if hold:
                 self._held.extend(queued)
                 return
         for part in queued:
             self._pool.submit(self._run_claimed, part)
+
+    def wait_stage(self, job_id: int, stage: int) -> None:
+        """Return once stage ``stage`` of a staged job is done (run here if nobody started it).
+
+        A job that is not staged, unknown or finished returns at once.
+        """
+        with self._cond:
+            parts = self._stages.get(job_id)
+            if parts is None or not 0 <= stage < len(parts):
+                return
+            part = parts[stage]
+        if self._claim(part):
+            self._run(part)
+        with self._cond:
+            self._cond.wait_for(lambda: part.done)
 
     def _release_held(self) -> None:
         """Hand expedited parts no wait has run to the pool (cheap when there are none)."""
@@ -194,15 +247,18 @@ class ThreadPoolTransferHandler(TransferHandler):
 
     def _run_claimed(self, part: _Part) -> None:
         if self._claim(part):
-            self._run(part.job_id, part.spec, part.work, part.start)
+            self._run(part)
 
-    def _run(self, job_id: int, spec: TransferSpec, work: Work, start: float) -> None:
-        num_bytes, error = 0, None
+    def _run(self, part: _Part) -> None:
+        job_id, num_bytes, error = part.job_id, 0, None
         try:
-            num_bytes = work()
+            num_bytes = part.work()
         except BaseException as exc:  # a job must always be reported, whatever went wrong
             error = exc
         with self._cond:
+            part.done = True
+            if job_id in self._stages:
+                self._cond.notify_all()
             self._part_bytes[job_id] += num_bytes
             if error is not None:
                 self._part_error.setdefault(job_id, error)
@@ -210,9 +266,10 @@ class ThreadPoolTransferHandler(TransferHandler):
             if self._parts_left[job_id]:
                 return
             del self._parts_left[job_id]
+            self._stages.pop(job_id, None)
             total = self._part_bytes.pop(job_id)
             error = self._part_error.pop(job_id, None)
-        self._finish(job_id, spec, start, total, error)
+        self._finish(job_id, part.spec, part.start, total, error)
 
     def _finish(
         self,
@@ -259,13 +316,14 @@ class ThreadPoolTransferHandler(TransferHandler):
 class _Part:
     """One independent piece of a job's work, queued on the pool (identity-compared)."""
 
-    __slots__ = ("job_id", "spec", "start", "work")
+    __slots__ = ("done", "job_id", "spec", "start", "work")
 
     def __init__(self, job_id: int, spec: TransferSpec, work: Work, start: float) -> None:
         self.job_id = job_id
         self.spec = spec
         self.work = work
         self.start = start
+        self.done = False  # set under the handler's lock once the work ran
 
 
 def _set_thread_intra_op(num_threads: int) -> None:

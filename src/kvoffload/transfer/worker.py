@@ -19,7 +19,7 @@ import torch
 from kvoffload.offload.base import LoadStoreSpec
 from kvoffload.transfer.cuda_streams import CudaStreamTransferHandler
 from kvoffload.transfer.gpu_cpu import CPU, GPU, CpuGpuTransferHandler, GpuCpuJobPlanner
-from kvoffload.transfer.handler import TransferHandler
+from kvoffload.transfer.handler import ThreadPoolTransferHandler, TransferHandler
 from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import TransferResult, TransferSpec, as_transfer_spec
@@ -96,15 +96,34 @@ class OffloadingWorker:
         """Start a store (GPU -> a tier); a spec from another medium is reported failed."""
         self._submit(job_id, spec, "store")
 
-    def submit_load(self, job_id: int, spec: SpecLike, expedited: bool = False) -> None:
+    def submit_load(
+        self,
+        job_id: int,
+        spec: SpecLike,
+        expedited: bool = False,
+        stages: Sequence[Sequence[int]] | None = None,
+    ) -> None:
         """Start a load (a tier -> GPU); a spec to another medium is reported failed.
 
         ``expedited``: the caller waits for it next (see ``TransferHandler``).
+        ``stages``: copy it stage by stage (``submit_staged``) where its handler
+        can, so that ``wait_stage`` can return before the whole job is done.
         """
-        self._submit(job_id, spec, "load", expedited)
+        self._submit(job_id, spec, "load", expedited, stages)
+
+    def wait_stage(self, job_id: int, stage: int) -> None:
+        """Return once stage ``stage`` of a staged load is done; at once for any other job."""
+        handler = self._job_handler.get(job_id)
+        if isinstance(handler, ThreadPoolTransferHandler):
+            handler.wait_stage(job_id, stage)
 
     def _submit(
-        self, job_id: int, spec: SpecLike, kind: str | None, expedited: bool = False
+        self,
+        job_id: int,
+        spec: SpecLike,
+        kind: str | None,
+        expedited: bool = False,
+        stages: Sequence[Sequence[int]] | None = None,
     ) -> None:
         if job_id in self._job_handler:
             raise ValueError(f"job id {job_id} is already in use")
@@ -124,7 +143,10 @@ class OffloadingWorker:
             self._rejected.append(TransferResult(job_id, False, error, 0, src, dst, 0.0))
             return
         self._job_handler[job_id] = handler
-        handler.submit(job_id, ts, expedited)
+        if stages is not None and getattr(handler, "supports_stages", False):
+            handler.submit_staged(job_id, ts, stages)  # type: ignore[attr-defined]
+        else:
+            handler.submit(job_id, ts, expedited)
 
     def get_finished(self) -> list[TransferResult]:
         """Results of jobs finished since the last call, each job exactly once."""

@@ -17,6 +17,7 @@ synchronous load that fails goes to the same recovery as an asynchronous one.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from kvoffload.integrations.vllm.compat import manager_lock
 from kvoffload.integrations.vllm.group_kinds import announce_groups, check_offloadable
+from kvoffload.integrations.vllm.layer_loads import layer_extents
 from kvoffload.integrations.vllm.manager import (
     KVOffloadManager,
     RequestHints,
@@ -49,6 +51,9 @@ from kvoffload.integrations.vllm.sync_loads import (
 )
 from kvoffload.integrations.vllm.window_keep import connector_build, install_window_keep
 from kvoffload.integrations.vllm.worker import KVOffloadWorker
+
+# Under "vllm." so that vLLM's logging configuration shows these lines.
+logger = logging.getLogger("vllm.kvoffload")
 
 SPEC_NAME = "KVOffloadSpec"
 SPEC_MODULE = "kvoffload.integrations.vllm"
@@ -157,6 +162,23 @@ class KVOffloadConnector(OffloadingConnector):
             return None
         worker = self.connector_worker.worker
         return worker if isinstance(worker, KVOffloadWorker) else None
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        worker = self.kvoffload_worker
+        if worker is not None and worker.stage_by_layer(layer_extents(kv_caches)):
+            logger.info("kvoffload: synchronous loads are copied layer by layer")
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        worker = self.kvoffload_worker
+        if worker is not None:
+            worker.before_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        worker = self.kvoffload_worker
+        if worker is not None:
+            worker.end_forward()
+        super().wait_for_save()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         jobs = getattr(self._connector_metadata, "sync_load_jobs", None)

@@ -64,6 +64,7 @@ from vllm.v1.kv_offload.base import (
 from kvoffload.integrations.vllm.chunk_rows import ChunkSplitHandler, SubBlockSpec, group_rows
 from kvoffload.integrations.vllm.group_jobs import GroupSplitHandler, RoutedSubBlockSpec
 from kvoffload.integrations.vllm.group_slots import GroupSlotPlan
+from kvoffload.integrations.vllm.layer_loads import Extent, LayerStages
 from kvoffload.integrations.vllm.manager import KVOffloadJobSpec
 from kvoffload.offload import CPULoadStoreSpec as KVCPUSpec
 from kvoffload.offload import GPULoadStoreSpec as KVGPUSpec
@@ -245,6 +246,7 @@ class KVOffloadWorker(OffloadingWorker):
         self.failed_jobs = 0
         self.failed_job_ids: set[int] = set()
         self._expedite: set[int] = set()
+        self.layer_stages: LayerStages | None = None
 
     @staticmethod
     def _inner(spec: LoadStoreSpec) -> tuple[object, int]:
@@ -305,12 +307,40 @@ class KVOffloadWorker(OffloadingWorker):
         inner, op_id = self._inner(src_spec)
         gpu, cpu = self._pair(dst_spec, inner)
         self._jobs[job_id] = _Job(op_id, [int(b) for b in dst_spec.block_ids], True)
-        self.worker.submit_load(job_id, (cpu, gpu), expedited)  # type: ignore[arg-type]
+        layers = self.layer_stages
+        if expedited and layers is not None and layers.armed:
+            layers.add(job_id)
+            self.worker.submit_load(job_id, (cpu, gpu), True, layers.stages)  # type: ignore[arg-type]
+        else:
+            self.worker.submit_load(job_id, (cpu, gpu), expedited)  # type: ignore[arg-type]
         return True
 
     def expedite(self, job_ids: set[int]) -> None:
         """Submit these loads, when they come, as expedited (waited for in the same step)."""
         self._expedite = set(job_ids)
+
+    def stage_by_layer(self, layers: dict[str, Extent] | None) -> bool:
+        """Copy synchronous loads layer by layer (``layer_loads``) where every layer's
+        KV (vLLM's ``register_kv_caches``) lies inside this worker's block rows."""
+        handler = self.worker.handlers.get((CPU_MEDIUM, GPU_MEDIUM))
+        if layers is None or not getattr(handler, "supports_stages", False):
+            return False
+        planes = [
+            (p.data_ptr(), p.stride(0), p.shape[1])
+            for p in self.layout.block_planes(self.gpu_tensors)
+        ]
+        self.layer_stages = LayerStages.match(layers, planes)
+        return self.layer_stages is not None
+
+    def before_layer(self, layer_name: str) -> None:
+        """Before ``layer_name``'s attention: its part of this step's staged loads is in."""
+        if self.layer_stages is not None:
+            self.layer_stages.before_layer(layer_name, self.worker.wait_stage)
+
+    def end_forward(self) -> None:
+        """After the step's forward pass: every staged load is in."""
+        if self.layer_stages is not None:
+            self.layer_stages.end_forward(self.worker.wait)
 
     def get_finished(self) -> list[TransferResult]:
         out: list[TransferResult] = []
@@ -336,6 +366,10 @@ class KVOffloadWorker(OffloadingWorker):
         return out
 
     def wait(self, job_ids: set[int]) -> None:
+        layers = self.layer_stages
+        if layers is not None:
+            # Staged loads are waited for layer by layer during the forward pass.
+            job_ids = {j for j in job_ids if not layers.is_staged(j)}
         self.worker.wait(job_ids)
 
     def in_flight_job_ids(self) -> set[int]:
