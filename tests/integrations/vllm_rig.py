@@ -384,14 +384,16 @@ class VLLMRig:
             wc.bind_connector_metadata(meta)
             wc.handle_preemptions(meta)
             sync = self._note_loads(meta)
-            wc.start_load_kv(None)  # type: ignore[arg-type]
-            # A synchronous load must be done before the forward pass; its bytes are
-            # checked with the others once get_finished says whether it failed.
-            self.sync_loads += sync
-            if self.forward_layers:
-                self._attend(wc, sync)
-            elif not self.kv_worker.worker.wait(sync, timeout=0):
-                self.late_sync_loads += sync
+            # vLLM's model runner runs the loads and the forward pass in inference mode.
+            with torch.inference_mode():
+                wc.start_load_kv(None)  # type: ignore[arg-type]
+                # A synchronous load must be done before the forward pass; its bytes are
+                # checked with the others once get_finished says whether it failed.
+                self.sync_loads += sync
+                if self.forward_layers:
+                    self._attend(wc, sync)
+                elif not self.kv_worker.worker.wait(sync, timeout=0):
+                    self.late_sync_loads += sync
             self._compute(output)
             connector_output = finish_worker_step(
                 wc,

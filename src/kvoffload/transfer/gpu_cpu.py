@@ -28,6 +28,8 @@ from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import TransferSpec
 
 GPU, CPU = GPU_MEDIUM, CPU_MEDIUM
+#: Part of every block row of one plane: (plane, first byte, end byte).
+Span = tuple[int, int, int]
 # Jobs at least this big are split into one shard per pool thread, so that a
 # big job uses every core; smaller ones are not worth the hand-offs. A waited
 # job (a synchronous load) still starts at once: the waiting thread runs the
@@ -150,6 +152,7 @@ class CpuGpuTransferHandler(ThreadPoolTransferHandler):
         super().__init__(num_threads)
         self.planner = planner
         self.strategy = strategy
+        self._staged_groups: dict[tuple[tuple[Span, ...], ...], list[GroupPairs]] = {}
 
     def prepare(self, job_id: int, spec: TransferSpec) -> list[Work]:
         job = self.planner.plan(spec)
@@ -172,7 +175,7 @@ class CpuGpuTransferHandler(ThreadPoolTransferHandler):
     supports_stages = True
 
     def prepare_staged(
-        self, job_id: int, spec: TransferSpec, stages: Sequence[Sequence[tuple[int, int, int]]]
+        self, job_id: int, spec: TransferSpec, stages: Sequence[Sequence[Span]]
     ) -> list[Work]:
         """A load as one part per stage; a stage is a list of ``(plane, start, stop)`` byte
         ranges of block rows (``layout.block_planes``). Bytes no stage names are copied by
@@ -180,14 +183,24 @@ class CpuGpuTransferHandler(ThreadPoolTransferHandler):
         job = self.planner.plan(spec)
         if job.direction != "load":
             raise ValueError("only a load can be staged")
-        planes = self.planner.load_planes
-        rest = _uncovered(stages, len(planes.narrow), self.planner.layout.plane_row_bytes)
         parts = []
-        for stage in [*stages, rest] if rest else stages:
-            groups = planes.spans(stage)
+        for groups in self._stage_groups(stages):
             nbytes = job.pairs.num_rows * groups.bytes_per_block
             parts.append(self._part(groups, job.pairs, nbytes, "runs"))
         return parts
+
+    def _stage_groups(self, stages: Sequence[Sequence[Span]]) -> list[GroupPairs]:
+        key = tuple(tuple(stage) for stage in stages)
+        groups = self._staged_groups.get(key)
+        if groups is None:
+            # Views made under the engine's inference mode would be inference
+            # tensors, which the pool threads (outside it) may not write through.
+            with torch.inference_mode(False):
+                planes = self.planner.load_planes
+                rest = _uncovered(stages, len(planes.narrow), self.planner.layout.plane_row_bytes)
+                groups = [planes.spans(stage) for stage in ([*key, rest] if rest else key)]
+            self._staged_groups[key] = groups
+        return groups
 
     def _part(
         self, groups: GroupPairs, pairs: RowPairs, nbytes: int, strategy: str | None = None
@@ -199,9 +212,7 @@ class CpuGpuTransferHandler(ThreadPoolTransferHandler):
         return work
 
 
-def _uncovered(
-    stages: Sequence[Sequence[tuple[int, int, int]]], num_planes: int, row_bytes: int
-) -> list[tuple[int, int, int]]:
+def _uncovered(stages: Sequence[Sequence[Span]], num_planes: int, row_bytes: int) -> list[Span]:
     """The byte ranges of the planes' rows that no stage names; ``ValueError`` on overlaps."""
     by_plane: dict[int, list[tuple[int, int]]] = {}
     for stage in stages:
@@ -209,7 +220,7 @@ def _uncovered(
             if not (0 <= plane < num_planes and 0 <= start < stop <= row_bytes):
                 raise ValueError(f"stage span {(plane, start, stop)} is outside the rows")
             by_plane.setdefault(plane, []).append((start, stop))
-    rest = []
+    rest: list[Span] = []
     for plane in range(num_planes):
         at = 0
         for start, stop in sorted(by_plane.get(plane, [])):
