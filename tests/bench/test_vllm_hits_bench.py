@@ -74,6 +74,7 @@ PROFILE = [
     {"kind": "bulk", "bytes": 10**7, "seconds": 5e-4, "hot_seconds": 2.5e-4},
     {"kind": "sched_step", "meta_s": 1e-4},
     {"kind": "worker_step", "finished_s": 4e-4, "meta_s": 0.0},
+    {"kind": "forward_waits", "layer_s": 3e-4, "save_s": 1e-4},
 ]
 
 
@@ -89,7 +90,11 @@ def test_profile_summary_per_hit_means_and_gbps() -> None:
     b = s["breakdown_ms"]
     assert b["scheduler lookup"] == pytest.approx(0.2)
     assert b["worker start_load_kv (submit + sync wait)"] == pytest.approx(1.05)
-    assert b["  of which the copy"] == pytest.approx(1.0)
+    assert b["  of which the copy (may run under the forward pass)"] == pytest.approx(1.0)
+    assert b["forward pass waiting for a layer's copy"] == pytest.approx(0.15)
+    # Blocking: 2.1 ms of submission and waits before the forward pass, 0.4 ms in it.
+    assert s["blocking_ms"] == pytest.approx(1.25)
+    assert s["blocking_gbps"] == pytest.approx(2 * 10**7 / 2.5e-3 / 1e9)
     assert profile_summary([])["hits"] == 0
 
 

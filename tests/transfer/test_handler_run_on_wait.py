@@ -7,6 +7,7 @@ load on a busy 2-core machine. Each part must still run exactly once.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 
 import numpy as np
@@ -149,4 +150,54 @@ def test_an_expedited_load_is_one_part_of_the_right_bytes() -> None:
     assert result.success and result.num_bytes == len(slots) * layout.bytes_per_block
     for gp, hp in zip(layout.block_planes(gpu), layout.block_planes(pool.tensors)):
         assert torch.equal(gp[30:94], hp[10:74])
+    handler.close()
+
+
+class Staged(Recorder):
+    """Recorder whose staged jobs are one part per stage, each recording its stage."""
+
+    supports_stages = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages_ran: list[tuple[int, str]] = []
+
+    def prepare_staged(self, job_id: int, spec: TransferSpec, stages) -> list[Work]:
+        def work(k: int) -> int:
+            self.stages_ran.append((k, threading.current_thread().name))
+            return 1
+
+        return [lambda k=k: work(k) for k in range(len(stages))]
+
+
+def test_a_staged_job_runs_its_stages_in_order_on_one_pool_thread() -> None:
+    handler = Staged()
+    handler.gate.set()
+    handler._pool = concurrent.futures.ThreadPoolExecutor(2)  # two threads to spread over
+    tasks: list[object] = []
+    real_submit = handler._pool.submit
+    handler._pool.submit = lambda *a: tasks.append(a) or real_submit(*a)  # type: ignore[method-assign]
+    handler.submit_staged(5, _spec(), [[0], [1], [2], [3]])
+    assert len(tasks) == 1  # one thread copies while the engine computes on the others
+    assert handler.wait([5], timeout=30)
+    assert [k for k, _ in handler.stages_ran] == [0, 1, 2, 3]
+    assert len({name for _, name in handler.stages_ran}) == 1
+    assert handler.get_finished()[0].num_bytes == 4
+    handler.close()
+
+
+def test_waiting_for_a_stage_runs_it_here_when_the_pool_is_busy() -> None:
+    handler = Staged()  # its one pool thread is held by job 1 until the gate opens
+    handler.submit(1, _spec())
+    handler.submit_staged(2, _spec(), [[0], [1], [2]])
+    handler.wait_stage(2, 1)  # stages 0 and 1 are not started: 1 runs here, 0 stays queued
+    here = threading.current_thread().name
+    assert [(k, n) for k, n in handler.stages_ran] == [(1, here)]
+    handler.wait_stage(2, 9)  # no such stage: returns at once
+    handler.gate.set()
+    assert handler.wait([1, 2], timeout=30)
+    assert sorted(k for k, n in handler.stages_ran if n != here) == [0, 2]
+    results = {r.job_id: r for r in handler.get_finished()}
+    assert results[2].success and results[2].num_bytes == 3
+    handler.wait_stage(2, 0)  # a finished job: returns at once
     handler.close()

@@ -18,7 +18,9 @@ the call, nothing inside changed) and one JSON line appended to
 - worker side, per step with a load: ``{"kind": "load_step", "start_s",
   "load_bytes", "sync_ids", "async_ids"}`` and per finished load
   ``{"kind": "load_done", "job_id", "bytes", "seconds"}``; per step:
-  ``{"kind": "worker_step", "finished_s", "meta_s", "errors_s"}``;
+  ``{"kind": "worker_step", "finished_s", "meta_s", "errors_s"}``; per step
+  with a load, the forward pass's waits for it: ``{"kind": "forward_waits",
+  "layer_s", "save_s"}`` (``wait_for_layer_load`` summed, ``wait_for_save``);
 - worker side, the step after a synchronous load: one bulk copy of the same
   number of bytes on the same thread from memory as cold as a load's,
   ``{"kind": "bulk", "bytes", "seconds", "hot_seconds", "torch_threads"}`` (then the same
@@ -68,6 +70,7 @@ class ProfiledKVOffloadConnector(KVOffloadConnector):
         self._hits: dict[str, list[Any]] = {}
         self._step_had_load = False
         # worker side
+        self._layer_wait_s = 0.0  # this step's time in wait_for_layer_load
         self._bulk_due = 0
         self._bulk_src: torch.Tensor | None = None
         self._bulk_dst: torch.Tensor | None = None
@@ -194,6 +197,19 @@ class ProfiledKVOffloadConnector(KVOffloadConnector):
             hot_seconds=hot,
             torch_threads=torch.get_num_threads(),
         )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        t = time.perf_counter()
+        super().wait_for_layer_load(layer_name)
+        self._layer_wait_s += time.perf_counter() - t
+
+    def wait_for_save(self) -> None:
+        t = time.perf_counter()
+        super().wait_for_save()
+        save_s = time.perf_counter() - t
+        if self._load_step:
+            self._sink.write(kind="forward_waits", layer_s=self._layer_wait_s, save_s=save_s)
+        self._layer_wait_s = 0.0
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         worker = self.kvoffload_worker

@@ -157,7 +157,8 @@ class ThreadPoolTransferHandler(TransferHandler):
     def submit_staged(
         self, job_id: int, spec: TransferSpec, stages: Sequence[Sequence[int]]
     ) -> None:
-        """Submit ``spec`` as one part per stage, started at once in stage order.
+        """Submit ``spec`` as one part per stage, started at once in stage order on one
+        pool thread.
 
         ``stages`` names what each part copies (for GPU<->CPU jobs: plane
         indices, e.g. one attention layer's); every unit of the job must be in
@@ -206,8 +207,17 @@ class ThreadPoolTransferHandler(TransferHandler):
             if hold:
                 self._held.extend(queued)
                 return
+        if staged:
+            # One pool thread takes the stages in order: the engine computes on the
+            # other cores meanwhile, and a waiter runs any stage not started yet.
+            self._pool.submit(self._run_in_order, queued)
+            return
         for part in queued:
             self._pool.submit(self._run_claimed, part)
+
+    def _run_in_order(self, parts: list[_Part]) -> None:
+        for part in parts:
+            self._run_claimed(part)
 
     def wait_stage(self, job_id: int, stage: int) -> None:
         """Return once stage ``stage`` of a staged job is done (run here if nobody started it).
