@@ -29,7 +29,7 @@ def test_prompts_revisit_the_same_prefixes_with_new_suffixes() -> None:
 def test_engines_same_prompts_device_cache_sizes(tmp_path: Path) -> None:
     rounds = hit_prompts(visits=2)
     engines = {e["name"]: e for e in engine_specs("m", rounds, 8192, tmp_path)}
-    assert list(engines) == ["miss", "device", "kvoffload", "kvoffload_async"]
+    assert list(engines) == ["miss", "device", "kvoffload", "kvoffload_async", "device_kvoffload"]
     assert engines["miss"]["enable_prefix_caching"] is False
     longest = max(len(p) for p in rounds[0])
     # The offload rows' device cache holds the longest request but far from every
@@ -44,7 +44,9 @@ def test_engines_same_prompts_device_cache_sizes(tmp_path: Path) -> None:
     assert engines["kvoffload"]["extra_config"]["cpu_bytes"] >= 8192 * sum(
         len(p) for p in rounds[0]
     )
-    for name in ("device", "kvoffload", "kvoffload_async"):
+    assert engines["device_kvoffload"]["num_gpu_blocks"] == engines["device"]["num_gpu_blocks"]
+    assert engines["device_kvoffload"]["connector"] == PROFILED
+    for name in ("device", "kvoffload", "kvoffload_async", "device_kvoffload"):
         assert [p["prompts"] for p in engines[name]["phases"]] == rounds
     assert engines["miss"]["phases"][0]["prompts"] == rounds[1]
     assert engines["miss"]["phases"][1]["prompts"] == [p[-SUFFIX:] for p in rounds[1]]
@@ -120,6 +122,7 @@ def test_summarize_ratios_gap_and_outputs() -> None:
             _engine("device", {"visit0": 500.0, "visit1": 20.0}),
             _engine("kvoffload", {"visit0": 500.0, "visit1": 22.0}),
             _engine("kvoffload_async", {"visit0": 500.0, "visit1": 30.0}, tokens=[9]),
+            _engine("device_kvoffload", {"visit0": 500.0, "visit1": 21.0}),
         ]
     }
     s = summarize(result)
@@ -133,4 +136,6 @@ def test_summarize_ratios_gap_and_outputs() -> None:
         "miss": 1,
         "kvoffload hit": 1,
         "kvoffload hit, async loads": 0,
+        "device hit, kvoffload on": 1,
     }
+    assert rows["device hit, kvoffload on"]["x_device_hit"] == pytest.approx(1.05)

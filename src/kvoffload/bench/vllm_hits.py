@@ -1,6 +1,6 @@
 """``kvoffload bench vllm --hits``: how close a CPU-tier hit comes to a device hit (issue 31).
 
-One engine subprocess serves the same prompts under five set-ups on four
+One engine subprocess serves the same prompts under six set-ups on five
 engines, all up at once and taking turns request by request so that every
 row sees the same machine load (``vllm_runner.run_interleaved``): 8 prefixes of 1,024-1,984
 tokens, each followed by a 24-token suffix, visited round-robin, one request
@@ -8,6 +8,8 @@ at a time, greedy. Rows (TTFT of the revisits unless said):
 
 - ``miss``: prefix caching off (the second visit's prompts);
 - ``device hit``: vLLM's own KV cache holds every prefix;
+- ``device hit, kvoffload on``: the same with ``KVOffloadConnector`` on, which then
+  loads nothing: what the connector itself costs a hit;
 - ``kvoffload hit``: vLLM's cache holds one request, so every revisit's
   prefix comes back from kvoffload's CPU tier (``KVOffloadConnector``, its
   default ``sync_load_budget_bytes``: the load runs in the step the hit is
@@ -65,7 +67,7 @@ def hit_prompts(
 def engine_specs(
     model: str, rounds: list[list[list[int]]], kv_bytes_per_token: int, profile_dir: Path
 ) -> list[dict[str, Any]]:
-    """The five engines of the table, in the order they run."""
+    """The engines of the table, in the order they run."""
     longest = max(len(p) for r in rounds for p in r)
     one_request = -(-longest // BLOCK) + 8
     every_prefix = len(rounds[0]) * one_request + 16
@@ -81,14 +83,14 @@ def engine_specs(
     def visits(n: int) -> list[dict[str, Any]]:
         return [{"name": f"visit{v}", "prompts": rounds[v], "max_tokens": 2} for v in range(n)]
 
-    def offload(name: str, budget: int | None) -> dict[str, Any]:
+    def offload(name: str, budget: int | None, gpu_blocks: int = one_request) -> dict[str, Any]:
         extra: dict[str, Any] = {"cpu_bytes": cpu_bytes}
         if budget is not None:
             extra["sync_load_budget_bytes"] = budget
         return dict(
             base,
             name=name,
-            num_gpu_blocks=one_request,
+            num_gpu_blocks=gpu_blocks,
             connector=PROFILED,
             extra_config=extra,
             env={"KVOFFLOAD_HIT_PROFILE": str(profile_dir / name)},
@@ -109,6 +111,8 @@ def engine_specs(
         dict(base, name="device", num_gpu_blocks=every_prefix, phases=visits(len(rounds))),
         offload("kvoffload", None),
         offload("kvoffload_async", 0),
+        # A device hit with kvoffload on: what the connector costs a hit that loads nothing.
+        offload("device_kvoffload", None, every_prefix),
     ]
 
 
@@ -190,6 +194,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         ("device hit", "device", revisits),
         ("kvoffload hit", "kvoffload", revisits),
         ("kvoffload hit, async loads", "kvoffload_async", revisits),
+        ("device hit, kvoffload on", "device_kvoffload", revisits),
         ("suffix alone", "miss", ["suffix"]),
     ):
         ttft = _ttfts(engines[name], phases)
@@ -217,6 +222,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             ("miss", "miss", "miss"),
             ("kvoffload hit", "kvoffload", "visit1"),
             ("kvoffload hit, async loads", "kvoffload_async", "visit1"),
+            ("device hit, kvoffload on", "device_kvoffload", "visit1"),
         )
     }
     return {"rows": rows, "identical_outputs": same, "compared": len(want)}
@@ -247,7 +253,7 @@ def bench_model(
 
 def total_work(visits: int) -> int:
     rounds = 8 * visits
-    return 4 + 16 + rounds * 3  # engine starts, miss + suffix, three engines' visits
+    return 5 + 16 + rounds * 4  # engine starts, miss + suffix, four engines' visits
 
 
 def run(args: argparse.Namespace) -> int:
