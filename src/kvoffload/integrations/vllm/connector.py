@@ -31,7 +31,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvoffload.integrations.vllm.compat import manager_lock
-from kvoffload.integrations.vllm.group_kinds import announce_groups, check_offloadable
+from kvoffload.integrations.vllm.connector_build import connector_build
+from kvoffload.integrations.vllm.group_kinds import check_offloadable
 from kvoffload.integrations.vllm.layer_loads import layer_extents
 from kvoffload.integrations.vllm.manager import (
     KVOffloadManager,
@@ -49,7 +50,7 @@ from kvoffload.integrations.vllm.sync_loads import (
     kv_bytes_per_token,
     native_sync_loads,
 )
-from kvoffload.integrations.vllm.window_keep import connector_build, install_window_keep
+from kvoffload.integrations.vllm.window_keep import install_window_keep
 from kvoffload.integrations.vllm.worker import KVOffloadWorker
 
 # Under "vllm." so that vLLM's logging configuration shows these lines.
@@ -102,15 +103,15 @@ class KVOffloadConnector(OffloadingConnector):
         select_spec(extra)
         # vLLM's offloading refuses these layouts deep in its start-up: one line instead.
         check_offloadable(kv_cache_config)
-        # The groups' kinds for the spec vLLM builds next (it sees only their windows).
-        announce_groups(transfer.engine_id, kv_cache_config)
         # Before vLLM reads it (0.33's scheduler config takes it at construction).
         # Not by default under async scheduling: there vLLM 0.33 never releases
         # the output placeholder of a request whose synchronous load failed, and
         # the request hangs (see tests/integrations/test_vllm_load_failure.py).
         if not getattr(vllm_config.scheduler_config, "async_scheduling", False):
             extra.setdefault(BUDGET_KEY, DEFAULT_SYNC_LOAD_BUDGET_BYTES)
-        with connector_build():
+        # The spec vLLM builds in there learns the groups' kinds (it sees only their
+        # windows) and that KVOffloadConnector's hooks are present.
+        with connector_build(kv_cache_config):
             super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_worker is not None:
             spec = self.connector_worker.spec

@@ -102,14 +102,15 @@ def check_offloadable(kv_cache_config: Any) -> None:
 #
 # vLLM hands an OffloadingSpec only its offloading config (no layer specs): the
 # window of a group is there (0.33: ``sliding_window_size_in_chunks``), its kind
-# is not. KVOffloadConnector, which sees vLLM's KV cache config, announces the
-# exact kinds under the engine id just before vLLM builds the spec; behind vLLM's
+# is not. KVOffloadConnector, which sees vLLM's KV cache config, hands the exact
+# kinds to the spec vLLM builds inside it (``connector_build``); behind vLLM's
 # stock connector the spec infers them from the windows.
 
-_ANNOUNCED: dict[str, tuple[tuple[int, str, int | None], ...]] = {}
+#: (group id, kind, window in tokens or None).
+GroupDescription = tuple[int, str, int | None]
 
 
-def describe_groups(kv_cache_config: Any) -> tuple[tuple[int, str, int | None], ...]:
+def describe_groups(kv_cache_config: Any) -> tuple[GroupDescription, ...]:
     """(group id, kind, window in tokens or None) of each group vLLM offloads."""
     out = []
     for group_id in offloaded_group_ids(kv_cache_config):
@@ -123,19 +124,9 @@ def describe_groups(kv_cache_config: Any) -> tuple[tuple[int, str, int | None], 
     return tuple(out)
 
 
-def announce_groups(engine_id: str | None, kv_cache_config: Any) -> None:
-    """Record the groups' kinds for the spec vLLM is about to build for ``engine_id``."""
-    if engine_id is not None:
-        _ANNOUNCED[engine_id] = describe_groups(kv_cache_config)
-
-
-def take_announced_groups(engine_id: str | None) -> tuple[tuple[int, str, int | None], ...] | None:
-    return _ANNOUNCED.pop(engine_id, None) if engine_id is not None else None
-
-
 def group_layouts(
     config: Any,
-    described: Sequence[tuple[int, str, int | None]] | None,
+    described: Sequence[GroupDescription] | None,
     slot_bytes: Sequence[int],
 ) -> list[Any]:
     """kvoffload's ``GroupLayout`` per group id (the chunk-unit policy's view of the groups).

@@ -36,7 +36,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from kvoffload.integrations.vllm.class_managers import ClassedCPUManager
-from kvoffload.integrations.vllm.group_kinds import group_layouts, take_announced_groups
+from kvoffload.integrations.vllm.connector_build import current_build
+from kvoffload.integrations.vllm.group_kinds import group_layouts
 from kvoffload.integrations.vllm.group_slots import (
     GroupSlotPlan,
     group_layout_fingerprint,
@@ -141,8 +142,9 @@ class KVOffloadSpec(OffloadingSpec):
         self.kv_bytes_per_chunk = _round_up(slot_bytes * world, mmap.PAGESIZE)
         self.all_layers_portable: bool | None = None
         self.num_slots = 0
-        #: (group id, kind, window) of each group, when KVOffloadConnector announced them.
-        self.group_descriptions = take_announced_groups(config.engine_id)
+        #: (group id, kind, window) of each group, when built under KVOffloadConnector.
+        build = current_build()
+        self.group_descriptions = build.groups if build is not None else None
         #: Slot classes of the KV cache groups (one unless groups' blocks differ in size).
         self.slot_plan: GroupSlotPlan | None = None
         if slot_bytes > 0:

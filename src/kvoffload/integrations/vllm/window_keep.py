@@ -39,11 +39,11 @@ from __future__ import annotations
 import logging
 import sys
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvoffload.integrations.vllm.connector_build import current_build
 from kvoffload.integrations.vllm.settings import KVOffloadConfigError
 from kvoffload.tiers.config import parse_bool
 
@@ -53,19 +53,6 @@ KEEP_KEY = "sliding_window_keep"
 EVERY_KEY = "sliding_window_keep_every"
 #: Junction keys remembered (a 16-byte-ish key each: a few MiB at most).
 MAX_JUNCTIONS = 1 << 16
-#: Nesting depth of ``KVOffloadConnector`` building vLLM's connector (and so the spec).
-_connector_builds = 0
-
-
-@contextmanager
-def connector_build() -> Iterator[None]:
-    """Marks the span in which ``KVOffloadConnector`` builds vLLM's connector and spec."""
-    global _connector_builds
-    _connector_builds += 1
-    try:
-        yield
-    finally:
-        _connector_builds -= 1
 
 
 def check_reachable(extra: Mapping[str, Any]) -> None:
@@ -74,7 +61,7 @@ def check_reachable(extra: Mapping[str, Any]) -> None:
     Only ``KVOffloadConnector`` reaches vLLM's scheduler to add stores; behind
     vLLM's stock ``OffloadingConnector`` the keys would be accepted and ignored.
     """
-    if _connector_builds == 0 and WindowKeepConfig.from_extra_config(extra).enabled:
+    if current_build() is None and WindowKeepConfig.from_extra_config(extra).enabled:
         raise KVOffloadConfigError(
             f"kv_connector_extra_config[{KEEP_KEY!r}] / [{EVERY_KEY!r}]: extra sliding-window "
             "stores need KVOffloadConnector (vLLM's OffloadingConnector cannot add them)"
