@@ -51,6 +51,9 @@ from kvoffload.transfer.layout import KVLayout
 
 STRATEGIES: tuple[str, ...] = ("runs", "dst_runs", "src_runs", "staged")
 
+#: Part of every block row of one plane: (plane, first byte, end byte).
+Span = tuple[int, int, int]
+
 # Rough per-call costs in seconds, used only to rank strategies against each
 # other; one extra pass over the bytes is costed at _PASS_SECONDS_PER_BYTE.
 _RUN_COPY_CALL = 2.5e-6
@@ -176,7 +179,7 @@ class GroupPairs:
             dg = layout.block_groups(dst, width, fuse=False)
         return list(zip(sg, dg))
 
-    def spans(self, spans: Sequence[tuple[int, int, int]]) -> GroupPairs:
+    def spans(self, spans: Sequence[Span]) -> GroupPairs:
         """The same pairs restricted to byte ranges of rows: ``(plane, start, stop)`` each,
         on unfused groups (group i is plane i). Rows narrowed so are strided: copy them
         with the ``runs`` strategy, whose slice copies take any strides."""

@@ -21,15 +21,13 @@ import torch
 
 from kvoffload.offload.base import BlockIDsLoadStoreSpec
 from kvoffload.offload.media import CPU_MEDIUM, GPU_MEDIUM
-from kvoffload.transfer.copy_plan import GroupPairs, RowPairs, copy_rows
+from kvoffload.transfer.copy_plan import GroupPairs, RowPairs, Span, copy_rows
 from kvoffload.transfer.handler import ThreadPoolTransferHandler, Work
 from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import TransferSpec
 
 GPU, CPU = GPU_MEDIUM, CPU_MEDIUM
-#: Part of every block row of one plane: (plane, first byte, end byte).
-Span = tuple[int, int, int]
 # Jobs at least this big are split into one shard per pool thread, so that a
 # big job uses every core; smaller ones are not worth the hand-offs. A waited
 # job (a synchronous load) still starts at once: the waiting thread runs the

@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from kvoffload.transfer.copy_plan import Span
 from kvoffload.transfer.spec import TransferResult, TransferSpec
 
 
@@ -141,7 +142,7 @@ class ThreadPoolTransferHandler(TransferHandler):
         return self.prepare(job_id, spec)
 
     def prepare_staged(
-        self, job_id: int, spec: TransferSpec, stages: Sequence[Sequence[int]]
+        self, job_id: int, spec: TransferSpec, stages: Sequence[Sequence[Span]]
     ) -> list[Work]:
         """The job as one part per stage, in order (see ``submit_staged``)."""
         raise NotImplementedError(f"{type(self).__name__} cannot stage a job")
@@ -155,16 +156,17 @@ class ThreadPoolTransferHandler(TransferHandler):
         self._enqueue(job_id, spec, lambda: prepare(job_id, spec), hold, staged=False)
 
     def submit_staged(
-        self, job_id: int, spec: TransferSpec, stages: Sequence[Sequence[int]]
+        self, job_id: int, spec: TransferSpec, stages: Sequence[Sequence[Span]]
     ) -> None:
         """Submit ``spec`` as one part per stage, started at once in stage order on one
         pool thread.
 
-        ``stages`` names what each part copies (for GPU<->CPU jobs: plane
-        indices, e.g. one attention layer's); every unit of the job must be in
-        exactly one stage. ``wait_stage(job_id, k)`` returns once part ``k`` is
-        done, so a consumer can use the first stages while the rest copy. The
-        job is reported by ``get_finished`` as one job, as any other.
+        ``stages[k]`` names the byte spans of the block rows part ``k`` copies
+        (e.g. one attention layer's); no byte may be in two stages, and bytes in
+        none are copied by one more part after the last stage.
+        ``wait_stage(job_id, k)`` returns once part ``k`` is done, so a consumer
+        can use the first stages while the rest copy. The job is reported by
+        ``get_finished`` as one job, as any other.
         """
         self._enqueue(
             job_id, spec, lambda: self.prepare_staged(job_id, spec, stages), False, staged=True

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from kvoffload.offload.base import LoadStoreSpec
+from kvoffload.transfer.copy_plan import Span
 from kvoffload.transfer.cuda_streams import CudaStreamTransferHandler
 from kvoffload.transfer.gpu_cpu import CPU, GPU, CpuGpuTransferHandler, GpuCpuJobPlanner
 from kvoffload.transfer.handler import ThreadPoolTransferHandler, TransferHandler
@@ -101,7 +102,7 @@ class OffloadingWorker:
         job_id: int,
         spec: SpecLike,
         expedited: bool = False,
-        stages: Sequence[Sequence[int]] | None = None,
+        stages: Sequence[Sequence[Span]] | None = None,
     ) -> None:
         """Start a load (a tier -> GPU); a spec to another medium is reported failed.
 
@@ -123,7 +124,7 @@ class OffloadingWorker:
         spec: SpecLike,
         kind: str | None,
         expedited: bool = False,
-        stages: Sequence[Sequence[int]] | None = None,
+        stages: Sequence[Sequence[Span]] | None = None,
     ) -> None:
         if job_id in self._job_handler:
             raise ValueError(f"job id {job_id} is already in use")
@@ -143,8 +144,12 @@ class OffloadingWorker:
             self._rejected.append(TransferResult(job_id, False, error, 0, src, dst, 0.0))
             return
         self._job_handler[job_id] = handler
-        if stages is not None and getattr(handler, "supports_stages", False):
-            handler.submit_staged(job_id, ts, stages)  # type: ignore[attr-defined]
+        if (
+            stages is not None
+            and isinstance(handler, ThreadPoolTransferHandler)
+            and handler.supports_stages
+        ):
+            handler.submit_staged(job_id, ts, stages)
         else:
             handler.submit(job_id, ts, expedited)
 

@@ -24,10 +24,10 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from kvoffload.transfer.copy_plan import Span
+
 #: Where a layer's KV lies: (address of block 0, bytes between blocks, bytes per block).
 Extent = tuple[int, int, int]
-#: Part of every block row of a plane: (plane, first byte, end byte).
-Span = tuple[int, int, int]
 
 
 class LayerStages:
