@@ -578,16 +578,20 @@ def run(args: argparse.Namespace) -> int:
 
     logging.getLogger("vllm").setLevel(logging.WARNING)
     configs = _configs(args)
-    if args.json:
-        report = bench(
+
+    def measure(progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        return bench(
             configs,
             args.requests,
             args.prompt_tokens,
             args.cpu_fraction,
             args.seed,
-            repeats=args.repeats,
+            progress,
+            args.repeats,
         )
-        print(json.dumps(report))
+
+    if args.json:
+        print(json.dumps(measure()))
         return 0
     from rich.console import Console
     from rich.progress import Progress
@@ -605,15 +609,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 bar.update(task, advance=1)
 
-        report = bench(
-            configs,
-            args.requests,
-            args.prompt_tokens,
-            args.cpu_fraction,
-            args.seed,
-            progress,
-            args.repeats,
-        )
+        report = measure(progress)
     console.print(
         "vLLM 0.33's scheduler, worker simulated (jobs done at once); time: schedule() + "
         "update_from_output() per step, connector: its scheduler-side calls; hit: CPU-tier "
