@@ -7,7 +7,7 @@ creator unlinked it, at a clean shutdown. Here: the name goes once every
 process mapped it (so a SIGKILL afterwards leaves nothing), a start-up that
 fails part-way leaves nothing on a clean exit, a dead engine's file is
 removed at the next start-up with one line, and a live engine's is not.
-Processes are real (``multiprocessing`` fork), and so are the SIGKILLs.
+Processes are real (``multiprocessing`` spawn), and so are the signals.
 """
 
 from tests.vllm_required import need_vllm
@@ -35,10 +35,7 @@ from kvoffload.integrations.vllm.shm_lifetime import (  # noqa: E402
     region_path,
     sweep_stale_regions,
 )
-
-CHUNKS = 4
-PAGE = 4096
-ROW = 2 * PAGE  # two ranks' shards of one page each
+from tests.integrations.shm_child import CHUNKS, PAGE, ROW, hold, open_region  # noqa: E402
 
 
 class _Lines(logging.Handler):
@@ -74,8 +71,7 @@ def engine_id() -> Iterator[str]:
             os.unlink(region_path(eid) + suffix)
 
 
-def _open(engine_id: str, rank: int | None, world: int = 2) -> Any:
-    return open_shared_region(engine_id, CHUNKS, rank, ROW, PAGE, world_size=world)
+_open = open_region
 
 
 # -- in one process ------------------------------------------------------------------
@@ -157,17 +153,10 @@ def test_a_scratch_file_of_a_killed_process_is_swept(engine_id: str) -> None:
 # -- across processes, with SIGKILL --------------------------------------------------
 
 
-def _child(engine_id: str, ranks: list[int | None], world: int, ready: Any) -> None:
-    regions = [_open(engine_id, rank, world) for rank in ranks]
-    ready.put(os.path.exists(region_path(engine_id)))
-    signal.pause()
-    del regions
-
-
 def _start(engine_id: str, ranks: list[int | None], world: int) -> tuple[Any, bool]:
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("spawn")  # see shm_child: a forked child can hang
     ready = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(engine_id, ranks, world, ready), daemon=True)
+    proc = ctx.Process(target=hold, args=(engine_id, ranks, world, ready), daemon=True)
     proc.start()
     named = ready.get(timeout=120)
     return proc, named

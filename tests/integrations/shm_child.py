@@ -1,0 +1,31 @@
+"""A process holding kvoffload's shared regions until a signal ends it (``test_shm_lifetime``).
+
+The test starts it with multiprocessing's ``spawn``: a child forked from the
+test process inherits the locks other threads of that process held at the
+fork, and Ctrl-C's exit path in the child (traceback, finalizers) could wait
+on one forever.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+from kvoffload.integrations.vllm.shm_lifetime import open_shared_region, region_path
+
+CHUNKS = 4
+PAGE = 4096
+ROW = 2 * PAGE  # two ranks' shards of one page each
+
+
+def open_region(engine_id: str, rank: int | None, world: int = 2) -> Any:
+    return open_shared_region(engine_id, CHUNKS, rank, ROW, PAGE, world_size=world)
+
+
+def hold(engine_id: str, ranks: list[int | None], world: int, ready: Any) -> None:
+    """Map the region as ``ranks``, say whether its name is still there, wait for a signal."""
+    regions = [open_region(engine_id, rank, world) for rank in ranks]
+    ready.put(os.path.exists(region_path(engine_id)))
+    signal.pause()
+    del regions
