@@ -181,10 +181,16 @@ def test_unknown_events_mode_is_one_line() -> None:
 
 
 def _first_run(tmp_path: Path) -> None:
+    # One prompt at a time, its stores settled before the next: the CPU tier can
+    # then always evict the earlier prompt's blocks to the disk. (All at once, a
+    # CPU tier whose every block is still a store in flight has no room for the
+    # last prompt's blocks, so whether anything reached the disk hung on the copy
+    # threads' timing: 1 run in 20 wrote nothing.)
     first, _ = _engine(tmp_path)
     try:
-        first.generate(PROMPTS, SamplingParams(max_tokens=2))
-        first.drain()
+        for prompt in PROMPTS:
+            first.generate([prompt], SamplingParams(max_tokens=2))
+            first.drain()
         first.step()  # publish the last steps' events (and keep their payloads)
     finally:
         first.close()
