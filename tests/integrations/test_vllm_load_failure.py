@@ -14,10 +14,13 @@ what it did:
   use, not read as garbage;
 * ``fail``: that request ends in an error, the engine goes on.
 
-Either way nothing leaks and the prefix is still served afterwards. Both load
-paths are covered: asynchronous (the request waits for its load) and
-synchronous (the load runs inside the step the hit is found, the request with
-it; vLLM rolls the running request back).
+Either way nothing leaks and the prefix is still served afterwards. Every load
+path is covered: asynchronous (the request waits for its load), synchronous
+(the load runs inside the step the hit is found, the request with it; vLLM
+rolls the running request back) and staged (a synchronous load copied layer by
+layer under the forward pass, ``layer_loads``): there the job dies midway, its
+second layer's copy raising after the first layer's bytes are in, so the
+forward pass has already read the loaded layer when the failure is known.
 """
 
 from tests.vllm_required import need_vllm
@@ -34,6 +37,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from kvoffload.offload import CPULoadStoreSpec, GPULoadStoreSpec  # noqa: E402
+from kvoffload.offload.media import CPU_MEDIUM, GPU_MEDIUM  # noqa: E402
 from tests.integrations.test_vllm_engine import (  # noqa: E402
     PROMPT,
     PROMPT_BLOCKS,
@@ -58,6 +62,7 @@ class FailOneLoad:
         self.armed = False
         self.job_id: int | None = None
         self.gpu_blocks: list[int] = []
+        self.stages_run = 0  # a staged load's stages that ran before the failure
         self.worker.submit_load = self.submit_load  # type: ignore[method-assign]
 
     def submit_load(
@@ -73,8 +78,30 @@ class FailOneLoad:
                 for b in self.gpu_blocks:
                     row = plane[b]
                     row.copy_(torch.randint(0, 256, row.shape, dtype=torch.uint8, generator=gen))
-            src = CPULoadStoreSpec(np.full(len(src.block_ids), 1 << 30, dtype=np.int64))
+            if stages is not None:
+                self._fail_second_stage()
+            else:
+                src = CPULoadStoreSpec(np.full(len(src.block_ids), 1 << 30, dtype=np.int64))
         self.real_submit(job_id, (src, dst), expedited, stages)
+
+    def _fail_second_stage(self) -> None:
+        handler = self.worker.handlers[(CPU_MEDIUM, GPU_MEDIUM)]
+        real = handler.prepare_staged
+
+        def prepare_staged(job_id: int, spec: Any, stages: Any) -> list[Any]:
+            handler.prepare_staged = real  # only this job
+            parts = real(job_id, spec, stages)
+
+            def first() -> int:
+                self.stages_run += 1
+                return parts[0]()
+
+            def second() -> int:
+                raise OSError("injected: the second layer's copy died")
+
+            return [first, second, *parts[2:]]
+
+        handler.prepare_staged = prepare_staged
 
 
 def _holds_its_own_kv(rig: VLLMRig, block_id: int, block_hash: bytes) -> bool:
@@ -85,14 +112,14 @@ def _holds_its_own_kv(rig: VLLMRig, block_id: int, block_hash: bytes) -> bool:
     return True
 
 
-@pytest.mark.parametrize("loads", ["async", "sync"])
+@pytest.mark.parametrize("loads", ["async", "sync", "staged"])
 @pytest.mark.parametrize("scheduler_cls", [Scheduler, AsyncScheduler])
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_a_failed_load_goes_to_vllms_recovery_with_its_gpu_blocks(
     tmp_path: Path, policy: str, scheduler_cls: type[Scheduler], loads: str
 ) -> None:
-    budget = {"async": 0, "sync": 1 << 20}[loads]
-    if loads == "sync" and policy == "recompute" and scheduler_cls is AsyncScheduler:
+    budget = {"async": 0, "sync": 1 << 20, "staged": 1 << 20}[loads]
+    if loads != "async" and policy == "recompute" and scheduler_cls is AsyncScheduler:
         # vLLM 0.33 rolls the running request back but never releases the output
         # placeholder of the step it skipped: the request hangs. kvoffload's default
         # budget is 0 under async scheduling for this reason.
@@ -103,9 +130,12 @@ def test_a_failed_load_goes_to_vllms_recovery_with_its_gpu_blocks(
         scheduler_cls=scheduler_cls,
         recompute_failed_loads=policy == "recompute",
     )
+    rig.forward_layers = loads == "staged"  # its forward passes arm staging
     rig.add(PROMPT, req_id="first")
     rig.run()
     flood(rig)  # PROMPT's blocks now only in the CPU tier
+    stages = rig.kv_worker.layer_stages
+    assert (stages is not None and stages.armed) == (loads == "staged")
 
     wc = rig.worker_connector
     assert wc is not None
@@ -143,7 +173,8 @@ def test_a_failed_load_goes_to_vllms_recovery_with_its_gpu_blocks(
         raise AssertionError("engine still busy after 200 steps")
 
     assert fault.job_id is not None, "no CPU -> GPU load was started"
-    assert (fault.job_id in rig.sync_loads) == (loads == "sync")
+    assert (fault.job_id in rig.sync_loads) == (loads != "async")
+    assert fault.stages_run == (loads == "staged")  # staged: died after its first layer
     assert len(fault.gpu_blocks) == PROMPT_BLOCKS
     assert rig.kv_worker.failed_jobs == 1
     # vLLM was told exactly the failed job's GPU blocks, in one report.
