@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from kvoffload.bench.vllm_hits import (
     engine_specs,
     hit_prompts,
     profile_summary,
+    ratio_interval,
     summarize,
 )
 
@@ -139,3 +141,26 @@ def test_summarize_ratios_gap_and_outputs() -> None:
         "device hit, kvoffload on": 1,
     }
     assert rows["device hit, kvoffload on"]["x_device_hit"] == pytest.approx(1.05)
+    # One pair of revisits: the interval is the ratio itself.
+    assert rows["kvoffload hit"]["x_device_hit_95"] == pytest.approx((1.1, 1.1))
+    assert rows["kvoffload hit, async loads"]["x_device_hit_95"] == pytest.approx((1.5, 1.5))
+    assert "x_device_hit_95" not in rows["miss"]  # other prompts: nothing to pair
+
+
+def test_ratio_interval_pairs_requests_by_prompt() -> None:
+    # Prompts of very different lengths, each 10% slower on the second engine give or
+    # take 1%: paired, the spread of the prompts cancels and the interval is narrow.
+    rng = random.Random(1)
+    base = [rng.uniform(10, 60) for _ in range(40)]
+    row = [b * 1.1 * rng.uniform(0.99, 1.01) for b in base]
+    lo, hi = ratio_interval(row, base)
+    point = sum(row) / sum(base)
+    assert lo <= point <= hi
+    assert lo > 1.09 and hi < 1.11
+    # The same numbers unpaired (the second engine's shuffled) spread far wider.
+    shuffled = rng.sample(row, len(row))
+    lo2, hi2 = ratio_interval(shuffled, base)
+    assert hi2 - lo2 > 3 * (hi - lo)
+    assert ratio_interval(row, base) == (lo, hi)  # seeded: the same table twice
+    with pytest.raises(ValueError, match="paired samples"):
+        ratio_interval(row[:-1], base)

@@ -19,12 +19,15 @@ at a time, greedy. Rows (TTFT of the revisits unless said):
 - ``suffix alone``: the 24 suffix tokens as a prompt of their own (what a
   free cache would leave).
 
-Per row: TTFT p50 / mean, ratio to the device hit, share of the miss ->
-device-hit gap closed; for the kvoffload rows the engine steps a hit waits
-between its lookup and its forward pass, its load's GB/s against a bulk copy
-of the same bytes on the same thread (``vllm_hit_profile``), and with
-``--profile-hit`` where the time of a hit goes, per hook. Outputs of every
-row are compared token for token with the device hit's.
+Per row: TTFT p50 / mean, ratio to the device hit with a 95% interval
+(``ratio_interval``: requests paired by prompt, resampled; on a shared 2-core
+machine two identical engines in one run differ by up to 0.07x, so a ratio
+alone says little), share of the miss -> device-hit gap closed; for the
+kvoffload rows the engine steps a hit waits between its lookup and its forward
+pass, its load's GB/s against a bulk copy of the same bytes on the same thread
+(``vllm_hit_profile``), and with ``--profile-hit`` where the time of a hit
+goes, per hook. Outputs of every row are compared token for token with the
+device hit's.
 """
 
 from __future__ import annotations
@@ -122,6 +125,26 @@ def _ttfts(engine: dict[str, Any], phases: Sequence[str]) -> list[float]:
     ]
 
 
+def ratio_interval(
+    row: Sequence[float], base: Sequence[float], draws: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """95% bootstrap interval of ``mean(row) / mean(base)``, the requests paired.
+
+    ``row[i]`` and ``base[i]`` are the same prompt on two engines (the same
+    visit, so the same machine moment, give or take a request); resampling
+    pairs keeps what the prompts share (their prefix lengths) out of the spread.
+    """
+    import numpy as np
+
+    a, b = np.asarray(row, dtype=np.float64), np.asarray(base, dtype=np.float64)
+    if a.shape != b.shape or a.size == 0:
+        raise ValueError(f"ratio_interval needs paired samples, got {a.size} and {b.size}")
+    picks = np.random.default_rng(seed).integers(0, a.size, (draws, a.size))
+    ratios = a[picks].mean(axis=1) / b[picks].mean(axis=1)
+    lo, hi = np.quantile(ratios, [0.025, 0.975])
+    return float(lo), float(hi)
+
+
 def _tokens(engine: dict[str, Any], phase: str) -> list[list[int]]:
     return [r["tokens"] for p in engine["phases"] if p["name"] == phase for r in p["requests"]]
 
@@ -206,6 +229,14 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         }
     device = rows["device hit"]["ttft_mean_ms"]
     miss = rows["miss"]["ttft_mean_ms"]
+    device_ttfts = _ttfts(engines["device"], revisits)
+    for label, name in (
+        ("kvoffload hit", "kvoffload"),
+        ("kvoffload hit, async loads", "kvoffload_async"),
+        ("device hit, kvoffload on", "device_kvoffload"),
+    ):
+        interval = ratio_interval(_ttfts(engines[name], revisits), device_ttfts)
+        rows[label]["x_device_hit_95"] = interval
     for row in rows.values():
         row["x_device_hit"] = row["ttft_mean_ms"] / device if device else 0.0
         row["gap_closed"] = (miss - row["ttft_mean_ms"]) / (miss - device) if miss > device else 0.0
@@ -306,7 +337,7 @@ def print_report(report: dict[str, Any], breakdown: bool) -> None:
         "row",
         "p50 ms",
         "mean ms",
-        "x device hit",
+        "x device hit (95%)",
         "gap closed",
         "steps, ms waited",
         "load MB",
@@ -337,7 +368,12 @@ def print_report(report: dict[str, Any], breakdown: bool) -> None:
             label,
             f"{row['ttft_p50_ms']:.1f}",
             f"{row['ttft_mean_ms']:.1f}",
-            f"{row['x_device_hit']:.2f}x",
+            f"{row['x_device_hit']:.2f}x"
+            + (
+                " ({:.2f}-{:.2f})".format(*row["x_device_hit_95"])
+                if "x_device_hit_95" in row
+                else ""
+            ),
             f"{100 * row['gap_closed']:.1f}%",
             *extra,
         )
