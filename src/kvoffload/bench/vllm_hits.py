@@ -328,7 +328,7 @@ def print_report(report: dict[str, Any], breakdown: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=max(Console().width, 120))
+    console = Console(width=max(Console().width, 200))  # piped: every row on one line
     t = Table(
         title=f"TTFT of a revisit, vLLM {report['vllm_version']} CPU engine, "
         f"{report['layers']} layers x hidden {report['hidden']} (serial requests, greedy)"
