@@ -89,9 +89,7 @@ def test_per_copy_mode_is_vllms_stream() -> None:
     assert [len(e.block_hashes) for e in pool.take_events()] == [2, 2]  # type: ignore[union-attr]
     pool.free_request_blocks(a[0])
     pool.get_new_blocks(pool.get_num_free_blocks())
-    assert pool.take_events() == [
-        BlockRemoved(block_hashes=list(reversed(a[1])), medium="GPU")
-    ]
+    assert pool.take_events() == [BlockRemoved(block_hashes=list(reversed(a[1])), medium="GPU")]
 
 
 def test_store_run_split_around_held_copy_keeps_chain() -> None:

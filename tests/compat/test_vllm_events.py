@@ -417,9 +417,7 @@ def test_group_fields_of_offloaded_tiers_are_vllms() -> None:
             kv_cache_spec_kind="sliding_window",
             kv_cache_spec_sliding_window=128,
         ),
-        BlockStored(
-            H[2:3], None, [], 0, None, "REMOTE", group_idx=2, ownership="redis:ns:digest"
-        ),
+        BlockStored(H[2:3], None, [], 0, None, "REMOTE", group_idx=2, ownership="redis:ns:digest"),
         BlockRemoved(H[:1], "DISK", group_idx=1),
     ]
     theirs = [
@@ -566,9 +564,7 @@ def _drain_vllm(sock: zmq.Socket) -> list:
 
 
 @pytest.mark.parametrize("way_in", ["KVOffloadConnector", "OffloadingConnector+KVOffloadSpec"])
-def test_vllm_connectors_publish_self_describing_cpu_and_disk_stores(
-    tmp_path, way_in: str
-) -> None:
+def test_vllm_connectors_publish_self_describing_cpu_and_disk_stores(tmp_path, way_in: str) -> None:
     # vLLM's own scheduler and publisher, kvoffload's tiers, vLLM's
     # ``self_describing_kv_events`` key: every CPU and STORAGE store carries the
     # tokens, parent and block size of the GPU tier's store of the same hashes.

@@ -267,9 +267,7 @@ class OffloadEventDescriber:
                 # The first translation carries the disk tier's start-up announcement:
                 # payloads of blocks it no longer holds go.
                 self._journal_compacted = True
-                self.journal.keep_only(
-                    {k for k, h in self._held.items() if MEDIUM_DISK in h.media}
-                )
+                self.journal.keep_only({k for k, h in self._held.items() if MEDIUM_DISK in h.media})
             self.journal.flush()
         return out
 
