@@ -24,6 +24,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeGuard
 
 from kvoffload.transfer.copy_plan import Span
 from kvoffload.transfer.spec import TransferResult, TransferSpec
@@ -323,6 +324,11 @@ class ThreadPoolTransferHandler(TransferHandler):
         with self._cond:
             self._closed = True
         self._pool.shutdown(wait=True)
+
+
+def can_stage(handler: TransferHandler | None) -> TypeGuard[ThreadPoolTransferHandler]:
+    """Whether ``handler`` takes staged jobs (``submit_staged``)."""
+    return isinstance(handler, ThreadPoolTransferHandler) and handler.supports_stages
 
 
 class _Part:

@@ -20,7 +20,7 @@ from kvoffload.offload.base import LoadStoreSpec
 from kvoffload.transfer.copy_plan import Span
 from kvoffload.transfer.cuda_streams import CudaStreamTransferHandler
 from kvoffload.transfer.gpu_cpu import CPU, GPU, CpuGpuTransferHandler, GpuCpuJobPlanner
-from kvoffload.transfer.handler import ThreadPoolTransferHandler, TransferHandler
+from kvoffload.transfer.handler import ThreadPoolTransferHandler, TransferHandler, can_stage
 from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.spec import TransferResult, TransferSpec, as_transfer_spec
@@ -144,11 +144,7 @@ class OffloadingWorker:
             self._rejected.append(TransferResult(job_id, False, error, 0, src, dst, 0.0))
             return
         self._job_handler[job_id] = handler
-        if (
-            stages is not None
-            and isinstance(handler, ThreadPoolTransferHandler)
-            and handler.supports_stages
-        ):
+        if stages is not None and can_stage(handler):
             handler.submit_staged(job_id, ts, stages)
         else:
             handler.submit(job_id, ts, expedited)

@@ -70,7 +70,7 @@ from kvoffload.offload import CPULoadStoreSpec as KVCPUSpec
 from kvoffload.offload import GPULoadStoreSpec as KVGPUSpec
 from kvoffload.offload.media import CPU_MEDIUM, GPU_MEDIUM
 from kvoffload.transfer import HostPool, KVGeometry, KVLayout
-from kvoffload.transfer.handler import ThreadPoolTransferHandler, TransferHandler
+from kvoffload.transfer.handler import TransferHandler, can_stage
 from kvoffload.transfer.worker import OffloadingWorker as KVWorker
 from kvoffload.transfer.worker import make_cpu_gpu_handler
 
@@ -323,11 +323,7 @@ class KVOffloadWorker(OffloadingWorker):
         """Copy synchronous loads layer by layer (``layer_loads``) where every layer's
         KV (vLLM's ``register_kv_caches``) lies inside this worker's block rows."""
         handler = self.worker.handlers.get((CPU_MEDIUM, GPU_MEDIUM))
-        if not (
-            layers is not None
-            and isinstance(handler, ThreadPoolTransferHandler)
-            and handler.supports_stages
-        ):
+        if layers is None or not can_stage(handler):
             return False
         planes = [
             (p.data_ptr(), p.stride(0), p.shape[1])
