@@ -71,18 +71,15 @@ def engine_id() -> Iterator[str]:
             os.unlink(region_path(eid) + suffix)
 
 
-_open = open_region
-
-
 # -- in one process ------------------------------------------------------------------
 
 
 def test_the_name_goes_once_every_process_mapped_it(engine_id: str, lines: list[str]) -> None:
     path = region_path(engine_id)
-    w0 = _open(engine_id, 0)
-    w1 = _open(engine_id, 1)
+    w0 = open_region(engine_id, 0)
+    w1 = open_region(engine_id, 1)
     assert os.path.exists(path), "the scheduler has not mapped it yet"
-    sched = _open(engine_id, None)
+    sched = open_region(engine_id, None)
     assert not os.path.exists(path)
     assert any("all 3 processes mapped" in line and line.startswith("INFO") for line in lines)
     # One memory for all three: what rank 1 writes in its shard the scheduler's row holds.
@@ -97,7 +94,7 @@ def test_the_name_goes_once_every_process_mapped_it(engine_id: str, lines: list[
 
 def test_a_start_that_stops_part_way_leaves_nothing(engine_id: str) -> None:
     path = region_path(engine_id)
-    w0 = _open(engine_id, 0)
+    w0 = open_region(engine_id, 0)
     assert os.path.exists(path)
     w0.cleanup()  # the engine failed before rank 1 and the scheduler mapped it
     assert not os.path.exists(path)
@@ -108,7 +105,7 @@ def test_a_dead_engines_file_at_this_path_is_removed_with_one_line(
 ) -> None:
     path = region_path(engine_id)
     Path(path).write_bytes(b"\0" * (CHUNKS * ROW))  # no lock holder: its engine is gone
-    region = _open(engine_id, None, world=0)  # the scheduler alone completes the set
+    region = open_region(engine_id, None, world=0)  # the scheduler alone completes the set
     assert not os.path.exists(path)
     stale = [line for line in lines if "removed" in line and "dead engine" in line]
     assert len(stale) == 1 and stale[0].startswith("WARNING"), lines
@@ -116,7 +113,7 @@ def test_a_dead_engines_file_at_this_path_is_removed_with_one_line(
 
 
 def test_a_live_engine_with_another_layout_is_refused_in_one_line(engine_id: str) -> None:
-    w0 = _open(engine_id, 0)
+    w0 = open_region(engine_id, 0)
     with pytest.raises(SharedRegionError, match="another layout") as info:
         open_shared_region(engine_id, CHUNKS + 1, 1, ROW, PAGE, world_size=2)
     assert "\n" not in str(info.value)
@@ -135,9 +132,9 @@ def test_without_o_tmpfile_a_scratch_name_is_used_and_never_left(
     engine_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(shm_lifetime, "_USE_TMPFILE", False)
-    w0 = _open(engine_id, 0)
+    w0 = open_region(engine_id, 0)
     assert glob.glob(region_path(engine_id) + ".*") == []
-    w1, sched = _open(engine_id, 1), _open(engine_id, None)
+    w1, sched = open_region(engine_id, 1), open_region(engine_id, None)
     assert not os.path.exists(region_path(engine_id))
     for region in (w0, w1, sched):
         region.cleanup()
@@ -192,7 +189,7 @@ def test_sigkill_during_start_up_is_swept_by_the_next_engine(
     other = f"{engine_id}-next"
     shm_lifetime._swept = False
     try:
-        region = _open(other, None, world=0)
+        region = open_region(other, None, world=0)
         region.cleanup()
     finally:
         if os.path.exists(region_path(other)):  # pragma: no cover - a failure above
@@ -207,7 +204,7 @@ def test_a_joiner_of_a_live_region_shares_its_memory(engine_id: str) -> None:
     proc, named = _start(engine_id, [0], world=1)
     assert named
     try:
-        sched = _open(engine_id, None, world=1)
+        sched = open_region(engine_id, None, world=1)
         assert not os.path.exists(region_path(engine_id))
         sched.cleanup()
     finally:
