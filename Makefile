@@ -55,6 +55,7 @@ run: $(CORE_STAMP)
 # pytest's exit status 5 (no tests collected) is a failure, named as such.
 test: $(TEST_STAMP) $(ENGINE_STAMP)
 	$(BIN)/ruff check src tests
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests (exit 5)" >&2; fi; \
 	exit $$rc
@@ -62,6 +63,7 @@ test: $(TEST_STAMP) $(ENGINE_STAMP)
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
+	$(BIN)/mypy
 
 bench: $(CORE_STAMP)
 	$(BIN)/kvoffload bench blocks

@@ -15,8 +15,9 @@ name is used (the stack pulls in torch).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvoffload._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvoffload.tiers.config import TierConfig, TierConfigError, TierIdentity
@@ -33,8 +34,4 @@ _LAZY = {
 __all__ = ["LowerTiers", "TierConfig", "TierConfigError", "TierIdentity", "make_tiers"]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _LAZY)
