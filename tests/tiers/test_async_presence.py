@@ -161,7 +161,7 @@ def test_lookups_do_not_wait_for_a_slow_real_redis(redis_server: RedisServer) ->
 
 def test_the_tiered_manager_says_when_a_lookup_may_grow(server: Server) -> None:
     from kvoffload.offload import CPUOffloadingManager
-    from kvoffload.offload.tiered_manager import TieredOffloadingManager
+    from kvoffload.tiers.tiered_manager import TieredOffloadingManager
 
     ks = [tkey(i) for i in range(3)]
     server.keys = {bytes(k) for k in ks[:2]}

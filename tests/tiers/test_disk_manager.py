@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvoffload.offload import OffloadingEvent, OffloadKey
-from kvoffload.offload.lower_tier import DiskLoadStoreSpec
 from kvoffload.tiers.disk.manager import DiskOffloadingManager
+from kvoffload.tiers.lower_tier import DiskLoadStoreSpec
 from tests.offload.keyutil import key, keys
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from kvoffload.offload import OffloadingEvent
-from kvoffload.offload.lower_tier import RemoteLoadStoreSpec
+from kvoffload.tiers.lower_tier import RemoteLoadStoreSpec
 from kvoffload.tiers.redis.manager import RemoteOffloadingManager
 from tests.offload.keyutil import keys
-from tests.offload.tier_world import World
+from tests.tiers.tier_world import World
 
 
 def setup(events: bool = True) -> tuple[World, RemoteOffloadingManager]:

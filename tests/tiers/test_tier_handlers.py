@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from kvoffload.offload import CPULoadStoreSpec, make_offload_key
-from kvoffload.offload.lower_tier import DiskLoadStoreSpec, RemoteLoadStoreSpec, TieredLoadStoreSpec
 from kvoffload.tiers.disk.handler import DiskTransferHandler
 from kvoffload.tiers.disk.store import DiskBlockStore
 from kvoffload.tiers.identity import tier_fingerprint
+from kvoffload.tiers.lower_tier import DiskLoadStoreSpec, RemoteLoadStoreSpec, TieredLoadStoreSpec
 from kvoffload.tiers.redis.handler import RedisTransferHandler
 from kvoffload.tiers.redis.store import RedisBlockStore
 from kvoffload.tiers.slot_io import SlotIO
@@ -151,7 +151,7 @@ def test_tiered_handler_rejects_error_specs_and_unknown_steps(tmp_path: Path) ->
     gpu = layout.allocate(8)
     h = TieredTransferHandler(make_cpu_gpu_handler(gpu, layout, pool))
     from kvoffload.offload import GPULoadStoreSpec
-    from kvoffload.offload.lower_tier import TierCopy
+    from kvoffload.tiers.lower_tier import TierCopy
 
     bad = TieredLoadStoreSpec(CPULoadStoreSpec([]), error="no CPU room")
     ok, err = run(h, TransferSpec(bad, GPULoadStoreSpec([])))

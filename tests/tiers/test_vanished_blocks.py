@@ -12,14 +12,14 @@ from collections.abc import Callable
 import redis
 
 from kvoffload.offload import CPUOffloadingManager, GPULoadStoreSpec
-from kvoffload.offload.lower_tier import TieredLoadStoreSpec
-from kvoffload.offload.tiered_manager import TieredOffloadingManager
 from kvoffload.tiers.disk.manager import DiskOffloadingManager
+from kvoffload.tiers.lower_tier import TieredLoadStoreSpec
 from kvoffload.tiers.redis.manager import RemoteOffloadingManager
+from kvoffload.tiers.tiered_manager import TieredOffloadingManager
 from tests.conftest_redis import RedisServerFactory
 from tests.offload.keyutil import keys
-from tests.offload.tier_world import World
 from tests.tiers.tier_rig import Rig, tkey
+from tests.tiers.tier_world import World
 
 
 def remote_stack(w: World) -> TieredOffloadingManager:

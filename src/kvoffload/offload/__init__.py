@@ -1,5 +1,12 @@
-"""What is stored where in the secondary tiers (scheduler side, no tensors)."""
+"""What is stored where in the secondary tiers (scheduler side, no tensors).
 
+The tiered manager (CPU over disk / Redis) lives in ``kvoffload.tiers``; its
+name stays importable here, loaded on first use (tiers sits above offload).
+"""
+
+from typing import TYPE_CHECKING
+
+from kvoffload._lazy import lazy_exports
 from kvoffload.offload.base import (
     BlockIDsLoadStoreSpec,
     CPULoadStoreSpec,
@@ -22,6 +29,9 @@ from kvoffload.offload.policies import (
     register_policy,
 )
 
+if TYPE_CHECKING:
+    from kvoffload.tiers.tiered_manager import TieredOffloadingManager
+
 __all__ = [
     "DEFAULT_CACHE_POLICY",
     "POLICIES",
@@ -35,6 +45,7 @@ __all__ = [
     "OffloadingEvent",
     "OffloadingManager",
     "PrepareStoreOutput",
+    "TieredOffloadingManager",
     "make_offload_key",
     "make_policy",
     "offload_key_block_hash",
@@ -42,3 +53,6 @@ __all__ = [
     "policy_names",
     "register_policy",
 ]
+
+
+__getattr__ = lazy_exports(__name__, {"TieredOffloadingManager": "kvoffload.tiers.tiered_manager"})

@@ -5,6 +5,8 @@
 - ``identity``: the tier fingerprint (what decides a stored block's bytes);
 - ``slot_io``: CPU slots as the byte blocks the stores keep, and the handler both tiers share;
 - ``alarm``: one warning when a tier's writes start failing, one when they work again;
+- ``lower_tier``: the contract a lower tier implements (scheduler side) and its load / store specs;
+- ``tiered_manager``: the CPU tier over the lower tiers, scheduler side;
 - ``tiered_handler``: GPU <-> CPU <-> disk / Redis jobs on the worker side;
 - ``config``: ``TierConfig`` (what the lower tiers take, checked once) and ``TierIdentity``;
 - ``stack``: building the tiers behind a CPU tier (``make_tiers``).

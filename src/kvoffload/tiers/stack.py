@@ -29,19 +29,19 @@ import torch
 
 from kvoffload.offload.base import OffloadKey
 from kvoffload.offload.cpu_manager import CPUOffloadingManager
-from kvoffload.offload.lower_tier import DISK_MEDIUM, REMOTE_MEDIUM, TIERED_MEDIUM, LowerTierManager
 from kvoffload.offload.media import CPU_MEDIUM, GPU_MEDIUM
-from kvoffload.offload.tiered_manager import TieredOffloadingManager
 from kvoffload.tiers.config import TierConfig, TierIdentity
 from kvoffload.tiers.disk.handler import DiskTransferHandler
 from kvoffload.tiers.disk.manager import DiskOffloadingManager
 from kvoffload.tiers.disk.store import DiskBlockStore
 from kvoffload.tiers.identity import tier_fingerprint
+from kvoffload.tiers.lower_tier import DISK_MEDIUM, REMOTE_MEDIUM, TIERED_MEDIUM, LowerTierManager
 from kvoffload.tiers.redis.handler import RedisTransferHandler
 from kvoffload.tiers.redis.manager import RemoteOffloadingManager
 from kvoffload.tiers.redis.presence import PresenceCache
 from kvoffload.tiers.redis.store import RedisBlockStore
 from kvoffload.tiers.tiered_handler import TieredTransferHandler
+from kvoffload.tiers.tiered_manager import TieredOffloadingManager
 from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.worker import OffloadingWorker, make_cpu_gpu_handler

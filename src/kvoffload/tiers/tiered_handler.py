@@ -27,7 +27,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from kvoffload.offload.base import LoadStoreSpec
-from kvoffload.offload.lower_tier import (
+from kvoffload.offload.media import CPU_MEDIUM, GPU_MEDIUM
+from kvoffload.tiers.disk.handler import DiskTransferHandler
+from kvoffload.tiers.lower_tier import (
     DISK_MEDIUM,
     REMOTE_MEDIUM,
     TIERED_MEDIUM,
@@ -35,8 +37,6 @@ from kvoffload.offload.lower_tier import (
     TierCopy,
     TieredLoadStoreSpec,
 )
-from kvoffload.offload.media import CPU_MEDIUM, GPU_MEDIUM
-from kvoffload.tiers.disk.handler import DiskTransferHandler
 from kvoffload.tiers.redis.handler import RedisTransferHandler
 from kvoffload.tiers.slot_io import BlocksMissing
 from kvoffload.transfer.handler import ThreadPoolTransferHandler, TransferHandler, Work

@@ -10,8 +10,8 @@ the copies themselves are ``SlotTierHandler``'s.
 
 from __future__ import annotations
 
-from kvoffload.offload.lower_tier import DISK_MEDIUM, DiskLoadStoreSpec
 from kvoffload.tiers.disk.store import DiskBlockStore
+from kvoffload.tiers.lower_tier import DISK_MEDIUM, DiskLoadStoreSpec
 from kvoffload.tiers.slot_io import SlotTierHandler
 from kvoffload.transfer.host_pool import HostPool
 

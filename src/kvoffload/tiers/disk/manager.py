@@ -31,7 +31,7 @@ from kvoffload.offload.base import (
     reassign_slots,
     release_pins,
 )
-from kvoffload.offload.lower_tier import DISK_MEDIUM, DiskLoadStoreSpec, LowerTierManager
+from kvoffload.tiers.lower_tier import DISK_MEDIUM, DiskLoadStoreSpec, LowerTierManager
 
 
 class DiskOffloadingManager(LowerTierManager):

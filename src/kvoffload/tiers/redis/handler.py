@@ -8,7 +8,7 @@ themselves are ``SlotTierHandler``'s (the server places blocks by key).
 
 from __future__ import annotations
 
-from kvoffload.offload.lower_tier import REMOTE_MEDIUM, RemoteLoadStoreSpec
+from kvoffload.tiers.lower_tier import REMOTE_MEDIUM, RemoteLoadStoreSpec
 from kvoffload.tiers.redis.store import RedisBlockStore
 from kvoffload.tiers.slot_io import SlotTierHandler
 from kvoffload.transfer.host_pool import HostPool

@@ -44,7 +44,7 @@ from kvoffload.offload.base import (
     finish_stores,
     release_pins,
 )
-from kvoffload.offload.lower_tier import REMOTE_MEDIUM, LowerTierManager, RemoteLoadStoreSpec
+from kvoffload.tiers.lower_tier import REMOTE_MEDIUM, LowerTierManager, RemoteLoadStoreSpec
 from kvoffload.tiers.redis.presence import PresenceCache
 
 ExistsFn = Callable[[Sequence[bytes]], list[bool]]

@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 
 from kvoffload.offload import CPULoadStoreSpec, CPUOffloadingManager, GPULoadStoreSpec, OffloadKey
-from kvoffload.offload.lower_tier import (
+from kvoffload.tiers.disk.manager import DiskOffloadingManager
+from kvoffload.tiers.lower_tier import (
     DiskLoadStoreSpec,
     RemoteLoadStoreSpec,
     TierCopy,
     TieredLoadStoreSpec,
 )
-from kvoffload.offload.tiered_manager import TieredOffloadingManager, subset_spec
-from kvoffload.tiers.disk.manager import DiskOffloadingManager
 from kvoffload.tiers.redis.manager import RemoteOffloadingManager
+from kvoffload.tiers.tiered_manager import TieredOffloadingManager, subset_spec
 from tests.offload.keyutil import key, keys
-from tests.offload.tier_world import World
+from tests.tiers.tier_world import World
 
 
 def make(

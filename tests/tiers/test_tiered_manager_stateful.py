@@ -17,18 +17,18 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvoffload.offload import CPUOffloadingManager, GPULoadStoreSpec, LoadStoreSpec, OffloadKey
-from kvoffload.offload.lower_tier import LowerTierManager
 from kvoffload.offload.policies import (
     AdmitARCPolicy,
     AdmitLRUPolicy,
     ChainLRUPolicy,
     DuelChainLRUPolicy,
 )
-from kvoffload.offload.tiered_manager import TieredOffloadingManager
 from kvoffload.tiers.disk.manager import DiskOffloadingManager
+from kvoffload.tiers.lower_tier import LowerTierManager
 from kvoffload.tiers.redis.manager import RemoteOffloadingManager
+from kvoffload.tiers.tiered_manager import TieredOffloadingManager
 from tests.offload.keyutil import key
-from tests.offload.tier_world import GARBAGE, World
+from tests.tiers.tier_world import GARBAGE, World
 
 CHAINS = 3
 CHAIN_LEN = 4

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvoffload.offload import CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec, OffloadKey
-from kvoffload.offload.lower_tier import (
+from kvoffload.tiers.lower_tier import (
     DiskLoadStoreSpec,
     RemoteLoadStoreSpec,
     TierCopy,

@@ -58,7 +58,7 @@ from kvoffload.offload.base import (
     PrepareStoreOutput,
 )
 from kvoffload.offload.cpu_manager import CPUOffloadingManager
-from kvoffload.offload.lower_tier import (
+from kvoffload.tiers.lower_tier import (
     DiskLoadStoreSpec,
     LowerTierManager,
     RemoteLoadStoreSpec,
