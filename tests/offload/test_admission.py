@@ -15,7 +15,7 @@ from kvoffload.bench.traces import generate, trace_keys
 from kvoffload.offload import CPUOffloadingManager, OffloadKey
 from kvoffload.offload.policies.default.arms import SECOND, ArmsChainLRUPolicy
 from kvoffload.offload.policies.default.queue import QueueArmsPolicy
-from kvoffload.offload.tiered_manager import TieredOffloadingManager
+from kvoffload.tiers.tiered_manager import TieredOffloadingManager
 from tests.offload.keyutil import keys
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import pytest
 
 from kvoffload.offload import CPUOffloadingManager, OffloadingManager, OffloadKey
-from kvoffload.offload.tiered_manager import TieredOffloadingManager
+from kvoffload.tiers.tiered_manager import TieredOffloadingManager
 from tests.offload import hint_policy
 from tests.offload.hint_policy import RECORDER, queue_aware_policies
 from tests.offload.keyutil import keys
