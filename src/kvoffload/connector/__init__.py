@@ -1,10 +1,25 @@
-"""Per-step decisions: what to load on a hit, what to store and when."""
+"""Moved: the reference engine's connector is ``kvoffload.engine.connector``.
 
-from kvoffload.connector.events import offloading_events_to_kv_events
-from kvoffload.connector.lazy import LazyStoreWalker
-from kvoffload.connector.metadata import ConnectorMetadata, TransferJob
-from kvoffload.connector.scheduler import ConnectorStats, OffloadingConnectorScheduler
-from kvoffload.connector.simple_cpu import SimpleCPUOffloadScheduler
+This package keeps its public names importable (loaded on first use); new code
+imports them from ``kvoffload.engine.connector``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvoffload._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from kvoffload.engine.connector import (
+        ConnectorMetadata,
+        ConnectorStats,
+        LazyStoreWalker,
+        OffloadingConnectorScheduler,
+        SimpleCPUOffloadScheduler,
+        TransferJob,
+        offloading_events_to_kv_events,
+    )
 
 __all__ = [
     "ConnectorMetadata",
@@ -15,3 +30,5 @@ __all__ = [
     "TransferJob",
     "offloading_events_to_kv_events",
 ]
+
+__getattr__ = lazy_exports(__name__, dict.fromkeys(__all__, "kvoffload.engine.connector"))

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from kvoffload.blocks import BlockPool, KVCacheBlock
-from kvoffload.connector.lazy import LazyStoreWalker
-from kvoffload.connector.scheduler import OffloadingConnectorScheduler
+from kvoffload.engine.connector.lazy import LazyStoreWalker
+from kvoffload.engine.connector.scheduler import OffloadingConnectorScheduler
 from kvoffload.hashing import BlockHash
 from kvoffload.offload.base import OffloadingManager, make_offload_key
 

@@ -3,7 +3,7 @@
 import torch
 
 from kvoffload.blocks import BlockPool, KVCacheBlock
-from kvoffload.connector import SimpleCPUOffloadScheduler
+from kvoffload.engine.connector import SimpleCPUOffloadScheduler
 from kvoffload.hashing import hash_request_tokens, xxhash64
 from kvoffload.offload import CPUOffloadingManager
 from kvoffload.transfer.host_pool import HostPool

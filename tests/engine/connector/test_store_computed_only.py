@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload.blocks import BlockPool, KVCacheBlock
-from kvoffload.connector import OffloadingConnectorScheduler
+from kvoffload.engine.connector import OffloadingConnectorScheduler
 from kvoffload.hashing import BlockHash, hash_request_tokens, xxhash64
 from kvoffload.offload import CPUOffloadingManager, OffloadKey
 

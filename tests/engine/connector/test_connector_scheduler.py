@@ -79,7 +79,7 @@ def test_block_of_the_last_prompt_token_is_loaded_and_only_that_token_recomputed
 
 def test_last_token_rule_with_block_size_factor_and_size_one_blocks() -> None:
     from kvoffload.blocks import BlockPool
-    from kvoffload.connector import OffloadingConnectorScheduler
+    from kvoffload.engine.connector import OffloadingConnectorScheduler
     from kvoffload.hashing import hash_request_tokens, xxhash64
     from kvoffload.offload import CPUOffloadingManager
 
@@ -227,7 +227,7 @@ def test_take_events_block_size_zero_and_medium() -> None:
 
 def test_bad_arguments() -> None:
     h = Harness()
-    from kvoffload.connector import OffloadingConnectorScheduler
+    from kvoffload.engine.connector import OffloadingConnectorScheduler
 
     with pytest.raises(ValueError, match="store_mode"):
         OffloadingConnectorScheduler(h.pool, h.manager, BS, store_mode="sometimes")

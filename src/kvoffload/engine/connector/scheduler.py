@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvoffload.blocks import BlockPool, KVCacheBlock
-from kvoffload.connector.events import OffloadEventDescriber, tier_ownership
-from kvoffload.connector.metadata import ConnectorMetadata, TransferJob
+from kvoffload.engine.connector.events import OffloadEventDescriber, tier_ownership
+from kvoffload.engine.connector.metadata import ConnectorMetadata, TransferJob
 from kvoffload.events import KVEvent
 from kvoffload.hashing import BlockHash
 from kvoffload.offload.base import (

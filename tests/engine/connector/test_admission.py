@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvoffload.blocks import BlockPool
-from kvoffload.connector import SimpleCPUOffloadScheduler
+from kvoffload.engine.connector import SimpleCPUOffloadScheduler
 from kvoffload.hashing import BlockHash, hash_request_tokens, xxhash64
 from kvoffload.offload import CPUOffloadingManager, OffloadKey, PrepareStoreOutput
 

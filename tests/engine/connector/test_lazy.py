@@ -1,7 +1,7 @@
 """Lazy offloading: the free-queue walk, its cursor, window and CPU-room limits."""
 
 from kvoffload.blocks import BlockPool, KVCacheBlock
-from kvoffload.connector import LazyStoreWalker
+from kvoffload.engine.connector import LazyStoreWalker
 from kvoffload.hashing import BlockHash
 
 from .conftest import BS, Harness, Result

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvoffload.blocks import BlockPool, KVCacheBlock
-from kvoffload.connector import SimpleCPUOffloadScheduler
+from kvoffload.engine.connector import SimpleCPUOffloadScheduler
 from kvoffload.hashing import BlockHash, hash_request_tokens, xxhash64
 from kvoffload.offload import CPUOffloadingManager
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvoffload.blocks import BlockPool
-from kvoffload.connector import SimpleCPUOffloadScheduler
+from kvoffload.engine.connector import SimpleCPUOffloadScheduler
 from kvoffload.hashing import hash_request_tokens, xxhash64
 from kvoffload.offload import CPUOffloadingManager
 
