@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from kvoffload.blocks import BlockPool
-from kvoffload.connector import OffloadingConnectorScheduler, SimpleCPUOffloadScheduler
 from kvoffload.engine.config import EngineConfig
+from kvoffload.engine.connector import OffloadingConnectorScheduler, SimpleCPUOffloadScheduler
 from kvoffload.engine.kv_cache_manager import KVCacheManager
 from kvoffload.engine.model_runner import ModelRunner
 from kvoffload.engine.offload_setup import OffloadSetup, build_offload

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvoffload.blocks import BlockPool
-from kvoffload.connector import SimpleCPUOffloadScheduler, TransferJob
 from kvoffload.engine.config import EngineConfig
+from kvoffload.engine.connector import SimpleCPUOffloadScheduler, TransferJob
 from kvoffload.engine.model_runner import ModelRunner
 from kvoffload.offload import CPUOffloadingManager
 from kvoffload.offload.base import OffloadingManager

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvoffload.connector import OffloadingConnectorScheduler
+from kvoffload.engine.connector import OffloadingConnectorScheduler
 from kvoffload.engine.kv_cache_manager import KVCacheManager
 from kvoffload.engine.request import Request, RequestStatus
 
