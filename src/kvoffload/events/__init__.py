@@ -22,7 +22,7 @@ that reference-count) is the events mode ``"per-copy"``
 
 Offloaded tiers (CPU, STORAGE) are self-describing by default in
 ``kvoffload run``: their stores carry token ids, parent hash, block size,
-LoRA, extra keys and the group fields (``kvoffload.connector.events``), as
+LoRA, extra keys and the group fields (``kvoffload.engine.connector.events``), as
 vLLM 0.33's ``self_describing_kv_events`` does. The Redis tier is shared by
 instances: each instance announces the blocks it stored there (and withdraws
 those it finds gone or stops tracking) as ``medium="STORAGE",

@@ -5,7 +5,7 @@ a router needs to index a block. ``PayloadJournal`` keeps, next to the tier,
 the self-describing payload of every block the tier announced (hashes,
 parent, tokens, block size, LoRA, extra keys), so a restarted engine
 announces what the disk still holds with its tokens at once
-(``kvoffload.connector.events``).
+(``kvoffload.engine.connector.events``).
 
 File: records appended as they happen, each ``[length (4 bytes, big
 endian)][msgpack [key, payload or None]]``; None deletes the key. A torn
