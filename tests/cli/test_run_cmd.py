@@ -91,7 +91,7 @@ def test_run_sends_the_session_hint_for_every_turn_but_a_conversations_last(
 ) -> None:
     from kvoffload.bench.serving import demo_workload
     from kvoffload.bench.workload import continuing_request_ids, generate_trace
-    from kvoffload.connector.scheduler import OffloadingConnectorScheduler
+    from kvoffload.engine.connector.scheduler import OffloadingConnectorScheduler
     from kvoffload.engine.llm_engine import LLMEngine
 
     sent: dict[str, bool] = {}

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import redis.connection
 
-from kvoffload.connector.scheduler import MAX_LOOKUP_DEFER_STEPS
 from kvoffload.engine import llm_engine
 from kvoffload.engine.config import EngineConfig
+from kvoffload.engine.connector.scheduler import MAX_LOOKUP_DEFER_STEPS
 from kvoffload.engine.llm_engine import LLMEngine
 from kvoffload.engine.request import SamplingParams
 from kvoffload.tiers.redis.manager import RemoteOffloadingManager

@@ -12,7 +12,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvoffload.connector.events import RECENTLY_LEFT, OffloadEventDescriber
+from kvoffload.engine.connector.events import RECENTLY_LEFT, OffloadEventDescriber
 from kvoffload.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvoffload.offload.base import OffloadingEvent, make_offload_key
 
