@@ -37,7 +37,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager as VllmCPUManage
 from vllm.v1.request import Request as VllmRequest  # noqa: E402
 
 from kvoffload.blocks import BlockPool  # noqa: E402
-from kvoffload.connector import OffloadingConnectorScheduler  # noqa: E402
+from kvoffload.engine.connector import OffloadingConnectorScheduler  # noqa: E402
 from kvoffload.hashing import get_hash_fn_by_name, hash_request_tokens, make_none_hash  # noqa: E402
 from kvoffload.offload import CPUOffloadingManager, make_offload_key  # noqa: E402
 

@@ -499,7 +499,7 @@ def test_self_describing_offloaded_events_match_vllms_tracker(factor: int) -> No
     )
     from vllm.v1.kv_offload import base as vbase
 
-    from kvoffload.connector.events import OffloadEventDescriber
+    from kvoffload.engine.connector.events import OffloadEventDescriber
     from kvoffload.offload.base import OffloadingEvent, make_offload_key
 
     bs, n_blocks = 4, 6
