@@ -23,11 +23,14 @@ EXIT_USAGE = 2
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "blocks": ("kvoffload.bench.blocks", "free block queue churn vs a list baseline"),
     "offload": ("kvoffload.bench.offload", "offloading-manager policies vs LRU and Belady"),
-    "transfer": ("kvoffload.bench.transfer", "GPU<->CPU block copy bandwidth vs bulk copy"),
+    "transfer": (
+        "kvoffload.bench.transfer.bandwidth",
+        "GPU<->CPU block copy bandwidth vs bulk copy",
+    ),
     "serve": ("kvoffload.bench.serve", "the serving workload across offload configurations"),
-    "tiers": ("kvoffload.bench.tiers", "disk and Redis tier throughput vs raw I/O"),
+    "tiers": ("kvoffload.bench.tiers.throughput", "disk and Redis tier throughput vs raw I/O"),
     "tiers-vllm": (
-        "kvoffload.bench.tiers_vllm",
+        "kvoffload.bench.tiers.vllm_fs",
         "kvoffload's disk tier vs vLLM's fs tier under vLLM's tiering manager",
     ),
     "threads": (
@@ -44,7 +47,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
 }
 # Where a command's flags live when its module is heavy: --help must not import torch.
-ARGUMENT_MODULES: dict[str, str] = {"kvoffload.bench.transfer": "kvoffload.bench.transfer_args"}
+ARGUMENT_MODULES: dict[str, str] = {
+    "kvoffload.bench.transfer.bandwidth": "kvoffload.bench.transfer.args"
+}
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("kvoffload.cli.run_cmd", "serve the built-in multi-turn workload with CPU offload"),
     "events": ("kvoffload.cli.events_cmd", "print a KV event publisher's events live"),

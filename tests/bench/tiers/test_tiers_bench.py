@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.bench import tiers
+from kvoffload.bench.tiers import throughput as tiers
 from tests.conftest_redis import RedisServer, redis_server, redis_server_factory
 
 __all__ = ["redis_server", "redis_server_factory"]

@@ -12,7 +12,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from kvoffload.bench import tiers_vllm  # noqa: E402
+from kvoffload.bench.tiers import vllm_fs as tiers_vllm  # noqa: E402
 
 
 def test_tiny_run_prints_one_json_object(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

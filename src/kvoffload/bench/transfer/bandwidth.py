@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from kvoffload.bench.transfer_args import DEFAULT_SIZES, QUICK_SIZES
-from kvoffload.bench.transfer_args import add_arguments as add_arguments  # re-exported
+from kvoffload.bench.transfer.args import DEFAULT_SIZES, QUICK_SIZES
+from kvoffload.bench.transfer.args import add_arguments as add_arguments  # re-exported
 from kvoffload.cli import argtypes
 from kvoffload.offload.base import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.transfer import (
