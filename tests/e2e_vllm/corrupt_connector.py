@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvoffload.integrations.vllm.connector import KVOffloadConnector
-from kvoffload.integrations.vllm.worker import KVOffloadWorker
+from kvoffload.integrations.vllm.worker.worker import KVOffloadWorker
 
 #: The byte written over the whole host pool (0x3C3C3C3C is about 0.0115 as float32).
 POISON = 0x3C

@@ -13,7 +13,7 @@ import os
 import signal
 from typing import Any
 
-from kvoffload.integrations.vllm.shm_lifetime import open_shared_region, region_path
+from kvoffload.integrations.vllm.worker.shm_lifetime import open_shared_region, region_path
 
 CHUNKS = 4
 PAGE = 4096

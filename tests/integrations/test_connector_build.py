@@ -7,8 +7,8 @@ need_vllm()
 import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from kvoffload.integrations.vllm.connector_build import connector_build, current_build  # noqa: E402
-from kvoffload.integrations.vllm.group_kinds import describe_groups  # noqa: E402
+from kvoffload.integrations.vllm.groups.group_kinds import describe_groups  # noqa: E402
+from kvoffload.integrations.vllm.scheduler.connector_build import connector_build, current_build  # noqa: E402
 from tests.integrations.vllm_rig import VLLMRig, kv_cache_config  # noqa: E402
 
 

@@ -28,8 +28,8 @@ from typing import Any  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kvoffload.integrations.vllm import shm_lifetime  # noqa: E402
-from kvoffload.integrations.vllm.shm_lifetime import (  # noqa: E402
+from kvoffload.integrations.vllm.worker import shm_lifetime  # noqa: E402
+from kvoffload.integrations.vllm.worker.shm_lifetime import (  # noqa: E402
     SharedRegionError,
     open_shared_region,
     region_path,

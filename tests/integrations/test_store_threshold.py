@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvoffload.integrations.vllm.store_threshold import StoreThreshold
+from kvoffload.integrations.vllm.scheduler.store_threshold import StoreThreshold
 
 
 def test_a_key_is_worth_storing_on_its_threshold_offer() -> None:

@@ -8,7 +8,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kvoffload.integrations.vllm.chunk_rows import ChunkSplitHandler  # noqa: E402
+from kvoffload.integrations.vllm.worker.chunk_rows import ChunkSplitHandler  # noqa: E402
 from kvoffload.offload import CPULoadStoreSpec, GPULoadStoreSpec  # noqa: E402
 from kvoffload.transfer import HostPool, KVGeometry, KVLayout  # noqa: E402
 from kvoffload.transfer.spec import TransferSpec  # noqa: E402

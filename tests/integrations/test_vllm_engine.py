@@ -21,7 +21,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvoffload.integrations.vllm import KVOffloadConfigError  # noqa: E402
-from kvoffload.integrations.vllm.tiering import KVOffloadTieringManager  # noqa: E402
+from kvoffload.integrations.vllm.scheduler.tiering import KVOffloadTieringManager  # noqa: E402
 from tests.conftest_redis import free_port  # noqa: E402
 from tests.integrations.vllm_rig import BLOCK_SIZE, VLLMRig  # noqa: E402
 

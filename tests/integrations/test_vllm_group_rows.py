@@ -12,9 +12,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from vllm.v1.kv_offload.base import GPULoadStoreSpec  # noqa: E402
 
-from kvoffload.integrations.vllm.chunk_rows import group_rows  # noqa: E402
-from kvoffload.integrations.vllm.manager import KVOffloadJobSpec  # noqa: E402
-from kvoffload.integrations.vllm.worker import KVOffloadWorker  # noqa: E402
+from kvoffload.integrations.vllm.scheduler.manager import KVOffloadJobSpec  # noqa: E402
+from kvoffload.integrations.vllm.worker.chunk_rows import group_rows  # noqa: E402
+from kvoffload.integrations.vllm.worker.worker import KVOffloadWorker  # noqa: E402
 from kvoffload.offload import CPULoadStoreSpec  # noqa: E402
 from kvoffload.transfer import HostPool, KVGeometry, KVLayout  # noqa: E402
 

@@ -25,12 +25,12 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
 )
 
 from kvoffload.integrations.vllm import KVOffloadConfigError, KVOffloadConnector  # noqa: E402
-from kvoffload.integrations.vllm.class_managers import ClassedCPUManager  # noqa: E402
-from kvoffload.integrations.vllm.group_kinds import check_offloadable, group_kind  # noqa: E402
-from kvoffload.integrations.vllm.group_slots import (  # noqa: E402
+from kvoffload.integrations.vllm.groups.group_kinds import check_offloadable, group_kind  # noqa: E402
+from kvoffload.integrations.vllm.groups.group_slots import (  # noqa: E402
     group_layout_fingerprint,
     plan_group_slots,
 )
+from kvoffload.integrations.vllm.scheduler.class_managers import ClassedCPUManager  # noqa: E402
 from kvoffload.offload import CPUOffloadingManager  # noqa: E402
 from tests.integrations.vllm_groups_rig import (  # noqa: E402
     KINDS,

@@ -23,7 +23,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-from kvoffload.integrations.vllm.manager import CONTINUES_PARAM  # noqa: E402
+from kvoffload.integrations.vllm.scheduler.manager import CONTINUES_PARAM  # noqa: E402
 from kvoffload.offload import OffloadKey, make_offload_key  # noqa: E402
 from tests.integrations.vllm_rig import BLOCK_SIZE, VLLMRig  # noqa: E402
 from tests.offload import hint_policy  # noqa: E402

@@ -28,7 +28,7 @@ from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory  # noqa: 
 import kvoffload.integrations.vllm as kv_vllm  # noqa: E402
 from kvoffload.bench.offload import replay as kvoffload_replay  # noqa: E402
 from kvoffload.bench.traces import generate, trace_keys, trace_times  # noqa: E402
-from kvoffload.integrations.vllm.policies import (  # noqa: E402
+from kvoffload.integrations.vllm.scheduler.policies import (  # noqa: E402
     KVOffloadVLLMPolicy,
     policy_class_name,
 )

@@ -93,7 +93,7 @@ def test_the_scheduler_side_builds_its_tiers_with_no_worker_in_its_process(tmp_p
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kvoffload.integrations.vllm.tiering import KVOffloadTieringManager
+    from kvoffload.integrations.vllm.scheduler.tiering import KVOffloadTieringManager
     from tests.integrations.vllm_rig import kv_cache_config, vllm_config, write_tiny_llama
 
     disk = tmp_path / "disk"

@@ -27,7 +27,7 @@ from typing import Any  # noqa: E402
 import pytest  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
-from kvoffload.integrations.vllm.shm_lifetime import region_path  # noqa: E402
+from kvoffload.integrations.vllm.worker.shm_lifetime import region_path  # noqa: E402
 from tests.integrations.vllm_rig import VLLMRig  # noqa: E402
 
 STOCK = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from kvoffload.integrations.vllm import KVOffloadConnector  # noqa: E402
-from kvoffload.integrations.vllm.sync_loads import DEFAULT_SYNC_LOAD_BUDGET_BYTES  # noqa: E402
+from kvoffload.integrations.vllm.scheduler.sync_loads import DEFAULT_SYNC_LOAD_BUDGET_BYTES  # noqa: E402
 from tests.integrations.test_vllm_engine import (  # noqa: E402
     PROMPT,
     PROMPT_BLOCKS,

@@ -29,11 +29,11 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
-from kvoffload.integrations.vllm.settings import KVOffloadConfigError  # noqa: E402
-from kvoffload.integrations.vllm.window_keep import (  # noqa: E402
+from kvoffload.integrations.vllm.groups.window_keep import (  # noqa: E402
     JunctionSet,
     WindowKeepConfig,
 )
+from kvoffload.integrations.vllm.settings import KVOffloadConfigError  # noqa: E402
 from tests.integrations.vllm_groups_rig import (  # noqa: E402
     KVOFFLOAD_SPEC,
     STOCK,

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from kvoffload.integrations.vllm.groups.window_keep import WindowKeep, WindowKeepConfig
 from kvoffload.integrations.vllm.settings import KVOffloadConfigError
-from kvoffload.integrations.vllm.window_keep import WindowKeep, WindowKeepConfig
 
 TPC = 32  # tokens per chunk (one block per chunk)
 

@@ -15,19 +15,21 @@ kvoffload's cache policies also run inside vLLM's own CPU tier as
 
 Importing these names imports vLLM; the core ``kvoffload`` package never
 does. They are resolved on first use (PEP 562), so the worker module alone
-(``kvoffload.integrations.vllm.worker``) needs only vLLM's
+(``kvoffload.integrations.vllm.worker.worker``) needs only vLLM's
 ``vllm.v1.kv_offload.base``: the GPU check runs it on a machine without vLLM.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvoffload._lazy import lazy_exports
+from kvoffload.integrations.vllm._exports import PolicyNames
 
 if TYPE_CHECKING:
     from kvoffload.integrations.vllm.connector import KVOffloadConnector
-    from kvoffload.integrations.vllm.manager import KVOffloadJobSpec, KVOffloadManager
-    from kvoffload.integrations.vllm.policies import KVOffloadPolicy, KVOffloadVLLMPolicy
+    from kvoffload.integrations.vllm.scheduler.manager import KVOffloadJobSpec, KVOffloadManager
+    from kvoffload.integrations.vllm.scheduler.policies import KVOffloadPolicy, KVOffloadVLLMPolicy
     from kvoffload.integrations.vllm.settings import (
         KVOffloadConfigError,
         KVOffloadSettings,
@@ -36,22 +38,22 @@ if TYPE_CHECKING:
     from kvoffload.integrations.vllm.spec import KVOffloadSpec
     from kvoffload.integrations.vllm.tiers.disk import KVOffloadDiskTier
     from kvoffload.integrations.vllm.tiers.redis import KVOffloadRedisTier
-    from kvoffload.integrations.vllm.worker import KVOffloadWorker
+    from kvoffload.integrations.vllm.worker.worker import KVOffloadWorker
 
 _WHERE: dict[str, str] = {
-    "KVOffloadConnector": "connector",
-    "KVOffloadJobSpec": "manager",
-    "KVOffloadManager": "manager",
-    "KVOffloadConfigError": "settings",
-    "KVOffloadSettings": "settings",
-    "parse_settings": "settings",
-    "KVOffloadSpec": "spec",
-    "KVOffloadDiskTier": "tiers.disk",
-    "KVOffloadRedisTier": "tiers.redis",
-    "KVOffloadWorker": "worker",
-    "KVOffloadPolicy": "policies",
-    "KVOffloadVLLMPolicy": "policies",
-    "POLICY_CLASSES": "policies",
+    "KVOffloadConnector": f"{__name__}.connector",
+    "KVOffloadJobSpec": f"{__name__}.scheduler.manager",
+    "KVOffloadManager": f"{__name__}.scheduler.manager",
+    "KVOffloadConfigError": f"{__name__}.settings",
+    "KVOffloadSettings": f"{__name__}.settings",
+    "parse_settings": f"{__name__}.settings",
+    "KVOffloadSpec": f"{__name__}.spec",
+    "KVOffloadDiskTier": f"{__name__}.tiers.disk",
+    "KVOffloadRedisTier": f"{__name__}.tiers.redis",
+    "KVOffloadWorker": f"{__name__}.worker.worker",
+    "KVOffloadPolicy": f"{__name__}.scheduler.policies",
+    "KVOffloadVLLMPolicy": f"{__name__}.scheduler.policies",
+    "POLICY_CLASSES": f"{__name__}.scheduler.policies",
 }
 
 __all__ = [
@@ -70,13 +72,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None and name.startswith("KVOffload") and name.endswith("Policy"):
-        # kvoffload's policies as vLLM cache policies: KVOffload<Name>Policy, one per policy.
-        module = "policies"
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+# kvoffload's policies as vLLM cache policies: KVOffload<Name>Policy, one per policy.
+__getattr__ = lazy_exports(__name__, PolicyNames(_WHERE, f"{__name__}.scheduler.policies"))

@@ -31,18 +31,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvoffload.integrations.vllm.compat import manager_lock
-from kvoffload.integrations.vllm.connector_build import connector_build
-from kvoffload.integrations.vllm.group_kinds import check_offloadable
-from kvoffload.integrations.vllm.layer_loads import layer_extents
-from kvoffload.integrations.vllm.manager import (
+from kvoffload.integrations.vllm.groups.group_kinds import check_offloadable
+from kvoffload.integrations.vllm.groups.window_keep import install_window_keep
+from kvoffload.integrations.vllm.scheduler.connector_build import connector_build
+from kvoffload.integrations.vllm.scheduler.manager import (
     KVOffloadManager,
     RequestHints,
     request_offload_keys,
 )
-from kvoffload.integrations.vllm.policies import KVOffloadVLLMPolicy
-from kvoffload.integrations.vllm.settings import KVOffloadConfigError
-from kvoffload.integrations.vllm.spec import KVOffloadSpec
-from kvoffload.integrations.vllm.sync_loads import (
+from kvoffload.integrations.vllm.scheduler.policies import KVOffloadVLLMPolicy
+from kvoffload.integrations.vllm.scheduler.sync_loads import (
     BUDGET_KEY,
     DEFAULT_SYNC_LOAD_BUDGET_BYTES,
     SyncLoads,
@@ -50,8 +48,10 @@ from kvoffload.integrations.vllm.sync_loads import (
     kv_bytes_per_token,
     native_sync_loads,
 )
-from kvoffload.integrations.vllm.window_keep import install_window_keep
-from kvoffload.integrations.vllm.worker import KVOffloadWorker
+from kvoffload.integrations.vllm.settings import KVOffloadConfigError
+from kvoffload.integrations.vllm.spec import KVOffloadSpec
+from kvoffload.integrations.vllm.worker.layer_loads import layer_extents
+from kvoffload.integrations.vllm.worker.worker import KVOffloadWorker
 
 # Under "vllm." so that vLLM's logging configuration shows these lines.
 logger = logging.getLogger("vllm.kvoffload")

@@ -35,25 +35,27 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from kvoffload.integrations.vllm.class_managers import ClassedCPUManager
-from kvoffload.integrations.vllm.connector_build import current_build
-from kvoffload.integrations.vllm.group_kinds import group_layouts
-from kvoffload.integrations.vllm.group_slots import (
+from kvoffload.integrations.vllm.groups.group_kinds import group_layouts
+from kvoffload.integrations.vllm.groups.group_slots import (
     GroupSlotPlan,
     group_layout_fingerprint,
     group_name,
     plan_group_slots,
     windowed_groups,
 )
-from kvoffload.integrations.vllm.manager import KVOffloadManager
+from kvoffload.integrations.vllm.groups.window_keep import (
+    check_reachable as check_window_keep_reachable,
+)
+from kvoffload.integrations.vllm.scheduler.class_managers import ClassedCPUManager
+from kvoffload.integrations.vllm.scheduler.connector_build import current_build
+from kvoffload.integrations.vllm.scheduler.manager import KVOffloadManager
 from kvoffload.integrations.vllm.settings import (
     KVOffloadConfigError,
     KVOffloadSettings,
     parse_settings,
 )
-from kvoffload.integrations.vllm.shm_lifetime import open_shared_region
-from kvoffload.integrations.vllm.window_keep import check_reachable as check_window_keep_reachable
-from kvoffload.integrations.vllm.worker import KVOffloadWorker, class_pools, plane_layout
+from kvoffload.integrations.vllm.worker.shm_lifetime import open_shared_region
+from kvoffload.integrations.vllm.worker.worker import KVOffloadWorker, class_pools, plane_layout
 from kvoffload.offload import CPUOffloadingManager
 from kvoffload.transfer import HostPool, KVLayout, format_bytes
 
@@ -232,7 +234,7 @@ class KVOffloadSpec(OffloadingSpec):
         from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
         from kvoffload.integrations.vllm import compat
-        from kvoffload.integrations.vllm.tiering import KVOffloadTieringManager
+        from kvoffload.integrations.vllm.scheduler.tiering import KVOffloadTieringManager
 
         policy, policy_module = cpu_tier_policy(self.settings)
         poll = {}
@@ -369,7 +371,7 @@ def cpu_tier_policy(settings: KVOffloadSettings) -> tuple[str, str | None]:
     """vLLM ``CachePolicy`` name and module path for kvoffload's ``cache_policy``.
 
     kvoffload's policies as vLLM cache policies live in
-    ``kvoffload.integrations.vllm.policies``; a release of kvoffload without
+    ``kvoffload.integrations.vllm.scheduler.policies``; a release of kvoffload without
     that module gives vLLM's "lru" (logged).
     """
     if settings.cache_policy_module_path is not None:
@@ -377,7 +379,7 @@ def cpu_tier_policy(settings: KVOffloadSettings) -> tuple[str, str | None]:
             settings.cache_policy_module_path
         )
     try:
-        from kvoffload.integrations.vllm import policies
+        from kvoffload.integrations.vllm.scheduler import policies
     except ImportError:
         logger.warning(
             "kvoffload: the CPU tier uses vLLM's lru policy (kvoffload's %r is not "

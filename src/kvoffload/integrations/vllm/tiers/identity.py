@@ -15,7 +15,7 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from kvoffload.integrations.vllm.group_slots import group_layout_fingerprint
+from kvoffload.integrations.vllm.groups.group_slots import group_layout_fingerprint
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvoffload.integrations.vllm.chunk_rows import ChunkSplitHandler, SubBlockSpec
+from kvoffload.integrations.vllm.worker.chunk_rows import ChunkSplitHandler, SubBlockSpec
 from kvoffload.offload import GPULoadStoreSpec
 from kvoffload.offload.media import CPU_MEDIUM, GPU_MEDIUM
 from kvoffload.transfer.handler import TransferHandler

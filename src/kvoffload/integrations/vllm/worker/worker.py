@@ -61,11 +61,15 @@ from vllm.v1.kv_offload.base import (
     TransferResult,
 )
 
-from kvoffload.integrations.vllm.chunk_rows import ChunkSplitHandler, SubBlockSpec, group_rows
-from kvoffload.integrations.vllm.group_jobs import GroupSplitHandler, RoutedSubBlockSpec
-from kvoffload.integrations.vllm.group_slots import GroupSlotPlan
-from kvoffload.integrations.vllm.layer_loads import Extent, LayerStages
-from kvoffload.integrations.vllm.manager import KVOffloadJobSpec
+from kvoffload.integrations.vllm.groups.group_slots import GroupSlotPlan
+from kvoffload.integrations.vllm.scheduler.manager import KVOffloadJobSpec
+from kvoffload.integrations.vllm.worker.chunk_rows import (
+    ChunkSplitHandler,
+    SubBlockSpec,
+    group_rows,
+)
+from kvoffload.integrations.vllm.worker.group_jobs import GroupSplitHandler, RoutedSubBlockSpec
+from kvoffload.integrations.vllm.worker.layer_loads import Extent, LayerStages
 from kvoffload.offload import CPULoadStoreSpec as KVCPUSpec
 from kvoffload.offload import GPULoadStoreSpec as KVGPUSpec
 from kvoffload.offload.media import CPU_MEDIUM, GPU_MEDIUM

@@ -44,8 +44,8 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvoffload.integrations.vllm.class_managers import ClassedCPUManager
-from kvoffload.integrations.vllm.store_threshold import StoreThreshold
+from kvoffload.integrations.vllm.scheduler.class_managers import ClassedCPUManager
+from kvoffload.integrations.vllm.scheduler.store_threshold import StoreThreshold
 from kvoffload.offload import CPULoadStoreSpec, CPUOffloadingManager
 
 # Under "vllm." so that vLLM's logging configuration shows these lines.

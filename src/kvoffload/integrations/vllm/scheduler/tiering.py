@@ -39,7 +39,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
-from kvoffload.integrations.vllm.store_threshold import StoreThreshold
+from kvoffload.integrations.vllm.scheduler.store_threshold import StoreThreshold
 
 
 class KVOffloadTieringManager(TieringOffloadingManager):

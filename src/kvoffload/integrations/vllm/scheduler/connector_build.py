@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from kvoffload.integrations.vllm.group_kinds import GroupDescription, describe_groups
+from kvoffload.integrations.vllm.groups.group_kinds import GroupDescription, describe_groups
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvoffload.integrations.vllm.connector_build import current_build
+from kvoffload.integrations.vllm.scheduler.connector_build import current_build
 from kvoffload.integrations.vllm.settings import KVOffloadConfigError
 from kvoffload.tiers.config import parse_bool
 
