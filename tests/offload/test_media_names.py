@@ -36,9 +36,9 @@ def literal_names(path: Path) -> list[tuple[int, str]]:
     "module",
     [
         "engine/llm_engine.py",
-        "integrations/vllm/worker.py",
-        "integrations/vllm/chunk_rows.py",
-        "integrations/vllm/manager.py",
+        "integrations/vllm/worker/worker.py",
+        "integrations/vllm/worker/chunk_rows.py",
+        "integrations/vllm/scheduler/manager.py",
     ],
 )
 def test_these_modules_use_the_medium_constants(module: str) -> None:
