@@ -66,8 +66,8 @@ def check_worker(num_blocks: int, num_layers: int, page_bytes: int) -> dict[str,
     )
     from vllm.v1.kv_offload.base import GPULoadStoreSpec as VllmGPUSpec
 
-    from kvoffload.integrations.vllm.manager import KVOffloadJobSpec
-    from kvoffload.integrations.vllm.worker import KVOffloadWorker, plane_layout
+    from kvoffload.integrations.vllm.scheduler.manager import KVOffloadJobSpec
+    from kvoffload.integrations.vllm.worker.worker import KVOffloadWorker, plane_layout
 
     # vLLM 0.33's LBHNC cache with layers interleaved per block: one packed plane.
     buf = torch.zeros(num_blocks, num_layers * page_bytes, dtype=torch.int8, device=DEVICE)
