@@ -39,8 +39,11 @@ maps a decoded event back to kvoffload's tier name.
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
-from typing import Any, Final, Literal
+from collections.abc import Callable
+from typing import Any, Final, Literal, NamedTuple, cast
 
 import msgspec
 
@@ -170,83 +173,7 @@ def kvoffload_medium(event: BlockStored | BlockRemoved) -> str | None:
     return event.medium
 
 
-# -- the "vllm" profile: vLLM 0.33's structs, field for field ------------------
-
-
-class _VllmEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class _VllmBlockStored(_VllmEvent, tag="BlockStored"):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None
-    token_ids: list[int]
-    block_size: int
-    # No defaults: vLLM always sends these three.
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
-
-
-class _VllmBlockRemoved(_VllmEvent, tag="BlockRemoved"):
-    block_hashes: list[ExternalBlockHash]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class _VllmAllBlocksCleared(_VllmEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class _VllmBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[_VllmBlockStored | _VllmBlockRemoved | _VllmAllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-# -- the "legacy" profile: kvoffload's earlier positional layout --------------
-
-
-class _LegacyEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class _LegacyBlockStored(_LegacyEvent, tag="BlockStored"):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-
-
-class _LegacyBlockRemoved(_LegacyEvent, tag="BlockRemoved"):
-    block_hashes: list[ExternalBlockHash]
-    medium: str | None = None
-
-
-class _LegacyAllBlocksCleared(_LegacyEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class _LegacyBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[_LegacyBlockStored | _LegacyBlockRemoved | _LegacyAllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-# -- conversion --------------------------------------------------------------------
+# -- the wire profiles: one table per event type drives both ----------------
 
 
 def vllm_int_hashes_from_env() -> bool:
@@ -265,14 +192,18 @@ def vllm_block_hash(value: ExternalBlockHash, int_hashes: bool = True) -> Extern
     bytes, which is cheaper to compute.
     """
     if int_hashes and value.__class__ is bytes:
-        return int.from_bytes(value[-8:], "big")  # type: ignore[index]
+        return int.from_bytes(value[-8:], "big")
     return value
 
 
 def _vllm_hashes(values: list[ExternalBlockHash], int_hashes: bool) -> list[ExternalBlockHash]:
     if not int_hashes:
         return values
-    return [int.from_bytes(v[-8:], "big") if v.__class__ is bytes else v for v in values]  # type: ignore[index]
+    return [int.from_bytes(v[-8:], "big") if v.__class__ is bytes else v for v in values]
+
+
+def _vllm_group(group: int | None, _int_hashes: bool) -> int:
+    return DEFAULT_GROUP_IDX if group is None else group
 
 
 def _vllm_place(medium: str | None, locality: str | None) -> tuple[str | None, str | None]:
@@ -282,118 +213,124 @@ def _vllm_place(medium: str | None, locality: str | None) -> tuple[str | None, s
     return name, locality if locality is not None else where
 
 
-# Per-event conversion runs on the socket thread for every event sent, so it
-# builds the common case positionally and sets vLLM's optional fields only
-# when the event has any.
-_STORED_EXTRAS = (
-    "kv_cache_spec_kind",
-    "kv_cache_spec_sliding_window",
-    "ownership",
-    "session_id",
-    "lookahead_token_ids",
-)
+#: How the vllm profile writes a field's value, where it differs from the
+#: event's (``medium`` and ``locality`` go together, see ``_vllm_place``).
+_VLLM_VALUES: dict[str, Callable[[Any, bool], Any]] = {
+    "block_hashes": _vllm_hashes,
+    "parent_block_hash": vllm_block_hash,
+    "group_idx": _vllm_group,
+}
 
 
-def _to_vllm(event: KVEvent, int_hashes: bool) -> _VllmEvent:
-    cls = event.__class__
-    if cls is BlockStored or isinstance(event, BlockStored):
-        stored: BlockStored = event  # type: ignore[assignment]
-        medium, locality = _vllm_place(stored.medium, stored.locality)
-        parent = stored.parent_block_hash
-        group = stored.group_idx
-        out = _VllmBlockStored(
-            _vllm_hashes(stored.block_hashes, int_hashes),
-            None if parent is None else vllm_block_hash(parent, int_hashes),
-            stored.token_ids,
-            stored.block_size,
-            stored.lora_id,
-            medium,
-            stored.lora_name,
-            stored.extra_keys,
-            DEFAULT_GROUP_IDX if group is None else group,
-        )
-        if locality is not None:
-            out.locality = locality
-        if not (
-            stored.kv_cache_spec_kind is None
-            and stored.kv_cache_spec_sliding_window is None
-            and stored.ownership is None
-            and stored.session_id is None
-            and stored.lookahead_token_ids is None
-        ):
-            for name in _STORED_EXTRAS:
-                setattr(out, name, getattr(stored, name))
-        return out
-    if cls is BlockRemoved or isinstance(event, BlockRemoved):
-        removed: BlockRemoved = event  # type: ignore[assignment]
-        medium, locality = _vllm_place(removed.medium, removed.locality)
-        group = removed.group_idx
-        return _VllmBlockRemoved(
-            _vllm_hashes(removed.block_hashes, int_hashes),
-            medium,
-            DEFAULT_GROUP_IDX if group is None else group,
-            locality,
-            removed.ownership,
-        )
-    if cls is AllBlocksCleared or isinstance(event, AllBlocksCleared):
-        return _VllmAllBlocksCleared()
+class _VllmEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """vLLM 0.33's events: maps, optional fields omitted when None."""
+
+
+class _LegacyEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """kvoffload's earlier events: tagged arrays, trailing defaults omitted."""
+
+
+class _Wire(NamedTuple):
+    """One event type on the wire, both profiles (built by :func:`_wire`)."""
+
+    vllm: type[msgspec.Struct]
+    legacy: type[msgspec.Struct]
+    #: The event's field count and its first ``core`` fields (see ``_wire``).
+    width: int
+    core: int
+    #: (field index, how the vllm profile writes it).
+    vllm_values: tuple[tuple[int, Callable[[Any, bool], Any]], ...]
+    #: Indices of ``medium`` and ``locality``, or None for an event without a medium.
+    place: tuple[int, int] | None
+
+
+def _wire(event: type[KVCacheEvent], core: int) -> _Wire:
+    """The wire table of ``event``: its struct is the field list, ``core`` the cut.
+
+    The first ``core`` fields are those both profiles always carry: the
+    legacy profile's positional layout (with the event's own defaults, so
+    trailing defaults are left off) and the fields vLLM declares without a
+    default (sent even when None). The fields after them are vLLM 0.33's
+    optional ones: the vllm profile sends them only when set, the legacy
+    profile never. Both wire structs keep the event's field order, so an
+    event and its wire structs convert positionally.
+    """
+    fields = msgspec.structs.fields(event)
+    name = event.__name__
+    vllm_fields: list[tuple[str, Any] | tuple[str, Any, Any]] = [
+        (f.name, f.type) if i < core else (f.name, f.type, None) for i, f in enumerate(fields)
+    ]
+    legacy_fields: list[tuple[str, Any] | tuple[str, Any, Any]] = [
+        (f.name, f.type) if f.default is msgspec.NODEFAULT else (f.name, f.type, f.default)
+        for f in fields[:core]
+    ]
+    names = [f.name for f in fields]
+    return _Wire(
+        vllm=msgspec.defstruct(
+            f"_Vllm{name}", vllm_fields, bases=(_VllmEvent,), tag=name, module=__name__
+        ),
+        legacy=msgspec.defstruct(
+            f"_Legacy{name}", legacy_fields, bases=(_LegacyEvent,), tag=name, module=__name__
+        ),
+        width=len(fields),
+        core=core,
+        vllm_values=tuple((names.index(n), fix) for n, fix in _VLLM_VALUES.items() if n in names),
+        place=(names.index("medium"), names.index("locality")) if "medium" in names else None,
+    )
+
+
+#: The table: every event type and how many of its fields are core.
+_WIRES: dict[type[KVCacheEvent], _Wire] = {
+    BlockStored: _wire(BlockStored, core=7),  # up to lora_name
+    BlockRemoved: _wire(BlockRemoved, core=2),  # up to medium
+    AllBlocksCleared: _wire(AllBlocksCleared, core=0),
+}
+_EVENT_OF_WIRE: dict[type[msgspec.Struct], type[KVCacheEvent]] = {
+    cls: event for event, wire in _WIRES.items() for cls in (wire.vllm, wire.legacy)
+}
+
+
+def _batch(name: str, events: list[type[msgspec.Struct]]) -> type[msgspec.Struct]:
+    """A wire batch: :class:`EventBatch` with its events typed as ``events``."""
+    listed = list.__class_getitem__(functools.reduce(operator.or_, events))
+    return msgspec.defstruct(name, [("events", listed)], bases=(EventBatch,), module=__name__)
+
+
+_VllmBatch = _batch("_VllmBatch", [wire.vllm for wire in _WIRES.values()])
+_LegacyBatch = _batch("_LegacyBatch", [wire.legacy for wire in _WIRES.values()])
+
+
+def _wire_of(event: KVEvent) -> _Wire:
+    """The table row of an event's class, or of the event type it derives from."""
+    for cls in event.__class__.__mro__:
+        if cls in _WIRES:
+            return _WIRES[cls]
     raise TypeError(f"not a KV event: {event!r}")
 
 
-def _to_legacy(event: KVEvent) -> _LegacyEvent:
-    if isinstance(event, BlockStored):
-        return _LegacyBlockStored(
-            event.block_hashes,
-            event.parent_block_hash,
-            event.token_ids,
-            event.block_size,
-            event.lora_id,
-            event.medium,
-            event.lora_name,
-        )
-    if isinstance(event, BlockRemoved):
-        return _LegacyBlockRemoved(event.block_hashes, event.medium)
-    if isinstance(event, AllBlocksCleared):
-        return _LegacyAllBlocksCleared()
-    raise TypeError(f"not a KV event: {event!r}")
+def _to_vllm(event: KVEvent, int_hashes: bool) -> msgspec.Struct:
+    # Runs on the socket thread for every event sent: positional, no lookups by name.
+    wire = _WIRES.get(event.__class__) or _wire_of(event)
+    values = list(msgspec.structs.astuple(event))
+    if len(values) != wire.width:
+        del values[wire.width :]
+    for at, write in wire.vllm_values:
+        values[at] = write(values[at], int_hashes)
+    place = wire.place
+    if place is not None:
+        values[place[0]], values[place[1]] = _vllm_place(values[place[0]], values[place[1]])
+    return wire.vllm(*values)
 
 
-def _from_wire(event: _VllmEvent | _LegacyEvent) -> KVEvent:
-    if isinstance(event, _VllmBlockStored):
-        return BlockStored(
-            event.block_hashes,
-            event.parent_block_hash,
-            event.token_ids,
-            event.block_size,
-            event.lora_id,
-            event.medium,
-            event.lora_name,
-            event.extra_keys,
-            event.group_idx,
-            event.kv_cache_spec_kind,
-            event.kv_cache_spec_sliding_window,
-            event.locality,
-            event.ownership,
-            event.session_id,
-            event.lookahead_token_ids,
-        )
-    if isinstance(event, _VllmBlockRemoved):
-        return BlockRemoved(
-            event.block_hashes, event.medium, event.group_idx, event.locality, event.ownership
-        )
-    if isinstance(event, _LegacyBlockStored):
-        return BlockStored(
-            event.block_hashes,
-            event.parent_block_hash,
-            event.token_ids,
-            event.block_size,
-            event.lora_id,
-            event.medium,
-            event.lora_name,
-        )
-    if isinstance(event, _LegacyBlockRemoved):
-        return BlockRemoved(event.block_hashes, event.medium)
-    return AllBlocksCleared()
+def _to_legacy(event: KVEvent) -> msgspec.Struct:
+    wire = _WIRES.get(event.__class__) or _wire_of(event)
+    return wire.legacy(*msgspec.structs.astuple(event)[: wire.core])
+
+
+def _from_wire(event: msgspec.Struct) -> KVEvent:
+    cls: Any = _EVENT_OF_WIRE[event.__class__]
+    decoded: KVEvent = cls(*msgspec.structs.astuple(event))
+    return decoded
 
 
 # -- encoding and decoding -------------------------------------------------------
@@ -405,7 +342,7 @@ _legacy_decoder = msgspec.msgpack.Decoder(_LegacyBatch)
 
 def to_wire(
     batch: KVEventBatch, profile: str = DEFAULT_PROFILE, *, int_hashes: bool | None = None
-) -> _VllmBatch | _LegacyBatch:
+) -> msgspec.Struct:
     """``batch`` as the struct a profile puts on the wire.
 
     ``int_hashes`` (vllm profile only): None follows the environment as vLLM
@@ -454,13 +391,13 @@ def decode_batch_profile(payload: bytes) -> tuple[KVEventBatch, str]:
     errors: dict[str, msgspec.DecodeError] = {}
     for i, (profile, decoder) in enumerate(order):
         try:
-            wire: _VllmBatch | _LegacyBatch = decoder.decode(payload)
+            wire: EventBatch = decoder.decode(payload)
         except msgspec.DecodeError as exc:
             errors[profile] = exc
             continue
         if i:
             _decoders = (order[i], *order[:i], *order[i + 1 :])
-        events = [_from_wire(e) for e in wire.events]
+        events = [_from_wire(cast(msgspec.Struct, e)) for e in wire.events]
         return KVEventBatch(wire.ts, events, wire.data_parallel_rank), profile
     raise errors[PROFILE_VLLM]
 
