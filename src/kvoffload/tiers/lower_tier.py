@@ -164,3 +164,6 @@ class LowerTierManager(OffloadingManager):
         still out. For an engine with nothing else to do this step; local tiers: True at once.
         """
         return True
+
+    def close(self) -> None:
+        """Stop any background work (a remote tier's presence thread); local tiers: nothing."""

@@ -161,6 +161,10 @@ class SlotTierHandler(ThreadPoolTransferHandler):
         """The store's ``where`` arguments for the blocks of ``spec`` (none by default)."""
         return ()
 
+    def keys_of(self, spec: Any) -> list[bytes]:
+        """The keys of the blocks of ``spec`` (every tier's spec names them)."""
+        return list(spec.keys)
+
     # -- synchronous copies (also used by the tiered handler) -----------------
 
     def write(self, src: Any, dst: Any) -> list[bool]:

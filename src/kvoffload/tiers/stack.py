@@ -10,6 +10,12 @@ by an incompatible engine, a malformed Redis URL, rejected credentials) are
 raised here, before the engine starts serving; an unreachable Redis server
 is only a warning (the tier starts in an outage and recovers on its own).
 
+Each tier is one builder here (``build_disk``, ``build_redis``): it opens
+the tier's store and returns a ``BuiltTier`` (manager, handler, store);
+``TIER_BUILDERS`` lists them in stacking order (a new tier adds its builder
+there). ``make_tiers`` stacks what they build and closes every part already
+built when a later one fails.
+
 Tier identity: both lower tiers are keyed by ``identity.tier_fingerprint``,
 which covers the model (``model_id``, computed by the engine layer:
 ``kvoffload.engine.model_identity``), the KV geometry, dtype, quantisation
@@ -22,8 +28,9 @@ namespace prefix, so engines that differ never see each other's blocks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -35,11 +42,12 @@ from kvoffload.tiers.disk.handler import DiskTransferHandler
 from kvoffload.tiers.disk.manager import DiskOffloadingManager
 from kvoffload.tiers.disk.store import DiskBlockStore
 from kvoffload.tiers.identity import tier_fingerprint
-from kvoffload.tiers.lower_tier import DISK_MEDIUM, REMOTE_MEDIUM, TIERED_MEDIUM, LowerTierManager
+from kvoffload.tiers.lower_tier import TIERED_MEDIUM, LowerTierManager
 from kvoffload.tiers.redis.handler import RedisTransferHandler
 from kvoffload.tiers.redis.manager import RemoteOffloadingManager
 from kvoffload.tiers.redis.presence import PresenceCache
 from kvoffload.tiers.redis.store import RedisBlockStore
+from kvoffload.tiers.slot_io import SlotTierHandler
 from kvoffload.tiers.tiered_handler import TieredTransferHandler
 from kvoffload.tiers.tiered_manager import TieredOffloadingManager
 from kvoffload.transfer.host_pool import HostPool
@@ -48,30 +56,74 @@ from kvoffload.transfer.worker import OffloadingWorker, make_cpu_gpu_handler
 
 CPU = CPU_MEDIUM
 GPU = GPU_MEDIUM
+T = TypeVar("T")
+
+
+class Closable(Protocol):
+    def close(self) -> None: ...
+
+
+@dataclass
+class BuiltTier:
+    """One lower tier, both sides: its manager, its handler, and the store they share."""
+
+    manager: LowerTierManager
+    handler: SlotTierHandler
+    store: Closable
+
+    def close(self) -> None:
+        """Manager (background threads) first, then the handler's jobs, then the store."""
+        self.manager.close()
+        self.handler.close()
+        self.store.close()
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """What every tier builder takes: the configuration and the CPU tier's facts."""
+
+    config: TierConfig
+    identity: TierIdentity
+    host_pool: HostPool
+    #: The tiers' fingerprint (``identity.tier_fingerprint``).
+    fingerprint: str
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.host_pool.slot_bytes
 
 
 @dataclass
 class LowerTiers:
-    """The assembled tiers: give ``manager`` to the connector, ``register`` the handlers."""
+    """The assembled tiers: give ``manager`` to the connector, ``register`` the handlers.
+
+    ``tiers`` are the lower tiers in stacking order; ``disk_store`` and
+    ``redis_store`` name those two tiers' stores (None when not configured).
+    """
 
     manager: TieredOffloadingManager
     handler: TieredTransferHandler
-    disk_store: DiskBlockStore | None = None
-    redis_store: RedisBlockStore | None = None
-    disk_handler: DiskTransferHandler | None = None
-    redis_handler: RedisTransferHandler | None = None
+    tiers: list[BuiltTier] = field(default_factory=list)
     _closed: bool = field(default=False, repr=False)
 
+    def _store(self, kind: type[T]) -> T | None:
+        return next((t.store for t in self.tiers if isinstance(t.store, kind)), None)
+
+    @property
+    def disk_store(self) -> DiskBlockStore | None:
+        return self._store(DiskBlockStore)
+
+    @property
+    def redis_store(self) -> RedisBlockStore | None:
+        return self._store(RedisBlockStore)
+
     def register(self, worker: OffloadingWorker) -> None:
-        """Route ``TIERED <-> GPU`` (and plain ``CPU <-> DISK/REMOTE``) jobs to these handlers."""
+        """Route ``TIERED <-> GPU`` (and plain ``CPU <-> tier``) jobs to these handlers."""
         worker.register_handler(TIERED_MEDIUM, GPU, self.handler)
         worker.register_handler(GPU, TIERED_MEDIUM, self.handler)
-        if self.disk_handler is not None:
-            worker.register_handler(CPU, DISK_MEDIUM, self.disk_handler)
-            worker.register_handler(DISK_MEDIUM, CPU, self.disk_handler)
-        if self.redis_handler is not None:
-            worker.register_handler(CPU, REMOTE_MEDIUM, self.redis_handler)
-            worker.register_handler(REMOTE_MEDIUM, CPU, self.redis_handler)
+        for tier in self.tiers:
+            worker.register_handler(CPU, tier.handler.tier_medium, tier.handler)
+            worker.register_handler(tier.handler.tier_medium, CPU, tier.handler)
 
     def load_blocks_by_medium(self) -> dict[str, int]:
         """Offloaded blocks loaded from each tier (failed loads excluded)."""
@@ -82,17 +134,75 @@ class LowerTiers:
         if self._closed:
             return
         self._closed = True
-        for tier in self.manager.lower:
-            if isinstance(tier, RemoteOffloadingManager):
-                tier.close()
         self.handler.close()
-        for h in (self.disk_handler, self.redis_handler):
-            if h is not None:
-                h.close()
-        if self.disk_store is not None:
-            self.disk_store.close()
-        if self.redis_store is not None:
-            self.redis_store.close()
+        for tier in self.tiers:
+            tier.close()
+
+
+def build_disk(ctx: TierContext) -> BuiltTier | None:
+    """The disk tier (``config.disk_dir``), seeded with the blocks its directory still holds.
+
+    Its budget is counted in CPU slots of the host pool.
+    """
+    config = ctx.config
+    if not config.disk_dir:
+        return None
+    disk_blocks = config.disk_slots(ctx.slot_bytes)
+    store = DiskBlockStore(
+        config.disk_dir,
+        ctx.slot_bytes,
+        disk_blocks,
+        ctx.fingerprint,
+        hash_fn=ctx.identity.hash_fn,
+        direct_io=config.direct_io,
+    )
+    try:
+        restored = [(OffloadKey(e.key), e.slot) for e in store.entries()]
+        manager = DiskOffloadingManager(
+            disk_blocks, config.enable_events, restored, clear_store=store.clear
+        )
+        handler = DiskTransferHandler(store, ctx.host_pool, config.num_threads)
+    except BaseException:
+        store.close()
+        raise
+    return BuiltTier(manager, handler, store)
+
+
+def build_redis(ctx: TierContext) -> BuiltTier | None:
+    """The Redis / Valkey tier (``config.redis_url``); an unreachable server starts it down."""
+    config = ctx.config
+    if not config.redis_url:
+        return None
+    store = RedisBlockStore(
+        config.redis_url,
+        config.redis_namespace,
+        ctx.slot_bytes,
+        ttl_s=config.redis_ttl_s,
+        timeout_s=config.redis_timeout_s,
+        geometry_fingerprint=ctx.fingerprint,
+        hash_fn=ctx.identity.hash_fn,
+    )
+    manager: RemoteOffloadingManager | None = None
+    try:
+        presence = PresenceCache(store.contains_many) if config.redis_async_presence else None
+        manager = RemoteOffloadingManager(
+            store.contains_many,
+            lambda: store.available,
+            config.enable_events,
+            presence=presence,
+            ownership=store.ownership,
+        )
+        handler = RedisTransferHandler(store, ctx.host_pool, config.num_threads)
+    except BaseException:
+        if manager is not None:
+            manager.close()
+        store.close()
+        raise
+    return BuiltTier(manager, handler, store)
+
+
+#: The lower tiers in stacking order (a lookup asks them in this order).
+TIER_BUILDERS: tuple[Callable[[TierContext], BuiltTier | None], ...] = (build_disk, build_redis)
 
 
 def make_tiers(
@@ -103,12 +213,11 @@ def make_tiers(
     config: TierConfig,
     identity: TierIdentity,
 ) -> LowerTiers:
-    """Disk (if ``config.disk_dir``) then remote (if ``config.redis_url``) tiers under ``cpu``.
+    """The configured tiers of ``TIER_BUILDERS`` (disk, then remote) under ``cpu``.
 
     ``identity`` and the layout go into the tiers' fingerprint (module
     docstring). The disk budget is counted in CPU slots of ``host_pool``.
     """
-    slot_bytes = host_pool.slot_bytes
     fingerprint = tier_fingerprint(
         layout,
         host_pool.block_size_factor,
@@ -119,63 +228,21 @@ def make_tiers(
         tp_rank=identity.tp_rank,
         tp_size=identity.tp_size,
     )
+    ctx = TierContext(config, identity, host_pool, fingerprint)
     threads = config.num_threads
-    lower: list[LowerTierManager] = []
-    disk_store = redis_store = None
-    disk_handler = redis_handler = None
+    built: list[BuiltTier] = []
     try:
-        if config.disk_dir:
-            disk_blocks = config.disk_slots(slot_bytes)
-            disk_store = DiskBlockStore(
-                config.disk_dir,
-                slot_bytes,
-                disk_blocks,
-                fingerprint,
-                hash_fn=identity.hash_fn,
-                direct_io=config.direct_io,
-            )
-            restored = [(OffloadKey(e.key), e.slot) for e in disk_store.entries()]
-            lower.append(
-                DiskOffloadingManager(
-                    disk_blocks, config.enable_events, restored, clear_store=disk_store.clear
-                )
-            )
-            disk_handler = DiskTransferHandler(disk_store, host_pool, threads)
-        if config.redis_url:
-            redis_store = RedisBlockStore(
-                config.redis_url,
-                config.redis_namespace,
-                slot_bytes,
-                ttl_s=config.redis_ttl_s,
-                timeout_s=config.redis_timeout_s,
-                geometry_fingerprint=fingerprint,
-                hash_fn=identity.hash_fn,
-            )
-            presence = (
-                PresenceCache(redis_store.contains_many) if config.redis_async_presence else None
-            )
-            lower.append(
-                RemoteOffloadingManager(
-                    redis_store.contains_many,
-                    lambda: redis_store.available,  # type: ignore[union-attr]
-                    config.enable_events,
-                    presence=presence,
-                    ownership=redis_store.ownership,
-                )
-            )
-            redis_handler = RedisTransferHandler(redis_store, host_pool, threads)
-        manager = TieredOffloadingManager(cpu, lower, write_mode=config.write_mode)
+        for build in TIER_BUILDERS:
+            tier = build(ctx)
+            if tier is not None:
+                built.append(tier)
+        manager = TieredOffloadingManager(
+            cpu, [t.manager for t in built], write_mode=config.write_mode
+        )
         cpu_gpu = make_cpu_gpu_handler(gpu_tensors, layout, host_pool, threads)
-        handler = TieredTransferHandler(cpu_gpu, disk_handler, redis_handler, 2 * threads)
+        handler = TieredTransferHandler(cpu_gpu, [t.handler for t in built], 2 * threads)
     except BaseException:
-        for tier in lower:
-            if isinstance(tier, RemoteOffloadingManager):
-                tier.close()
-        for h in (disk_handler, redis_handler):
-            if h is not None:
-                h.close()
-        for s in (disk_store, redis_store):
-            if s is not None:
-                s.close()
+        for tier in built:
+            tier.close()
         raise
-    return LowerTiers(manager, handler, disk_store, redis_store, disk_handler, redis_handler)
+    return LowerTiers(manager, handler, built)

@@ -24,21 +24,13 @@ import itertools
 import logging
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvoffload.offload.base import LoadStoreSpec
 from kvoffload.offload.media import CPU_MEDIUM, GPU_MEDIUM
-from kvoffload.tiers.disk.handler import DiskTransferHandler
-from kvoffload.tiers.lower_tier import (
-    DISK_MEDIUM,
-    REMOTE_MEDIUM,
-    TIERED_MEDIUM,
-    DiskLoadStoreSpec,
-    TierCopy,
-    TieredLoadStoreSpec,
-)
-from kvoffload.tiers.redis.handler import RedisTransferHandler
-from kvoffload.tiers.slot_io import BlocksMissing
+from kvoffload.tiers.lower_tier import TIERED_MEDIUM, TierCopy, TieredLoadStoreSpec
+from kvoffload.tiers.slot_io import BlocksMissing, SlotTierHandler
 from kvoffload.transfer.handler import ThreadPoolTransferHandler, TransferHandler, Work
 from kvoffload.transfer.spec import TransferResult, TransferSpec
 
@@ -69,21 +61,23 @@ class TieredTransferHandler(ThreadPoolTransferHandler):
 
     ``cpu_gpu``: a GPU <-> CPU handler for the engine's KV tensors and the
     CPU tier's host pool, owned by this handler (``make_cpu_gpu_handler``
-    builds one; do not share the worker's). ``disk`` / ``remote``: the
-    lower tiers' handlers, whose synchronous copies the steps call.
+    builds one; do not share the worker's). ``lower``: the lower tiers'
+    handlers (one per medium), whose synchronous copies the steps call:
+    CPU <-> a tier, and a move from one tier into another (a write-down
+    cascading from disk to remote).
     """
 
     def __init__(
         self,
         cpu_gpu: TransferHandler,
-        disk: DiskTransferHandler | None = None,
-        remote: RedisTransferHandler | None = None,
+        lower: Sequence[SlotTierHandler] = (),
         num_threads: int = 4,
     ) -> None:
         super().__init__(num_threads, thread_name_prefix="kvoffload-tiered-job")
         self.cpu_gpu = cpu_gpu
-        self.disk = disk
-        self.remote = remote
+        self.lower: dict[str, SlotTierHandler] = {h.tier_medium: h for h in lower}
+        if len(self.lower) != len(lower):
+            raise ValueError("lower-tier handlers must have distinct media")
         self.stats = TieredHandlerStats()
         self._sub_ids = itertools.count(1)
         self._sub_lock = threading.Lock()
@@ -95,14 +89,9 @@ class TieredTransferHandler(ThreadPoolTransferHandler):
     # -- validation ---------------------------------------------------------------
 
     def _supports(self, src: str, dst: str) -> bool:
-        pair = (src, dst)
-        if pair in ((CPU, DISK_MEDIUM), (DISK_MEDIUM, CPU)):
-            return self.disk is not None
-        if pair in ((CPU, REMOTE_MEDIUM), (REMOTE_MEDIUM, CPU)):
-            return self.remote is not None
-        if pair == (DISK_MEDIUM, REMOTE_MEDIUM):
-            return self.disk is not None and self.remote is not None
-        return False
+        if src == CPU:
+            return dst in self.lower
+        return src in self.lower and (dst == CPU or (dst in self.lower and dst != src))
 
     def prepare(self, job_id: int, spec: TransferSpec) -> Work:
         if spec.media == (TIERED_MEDIUM, GPU):
@@ -168,21 +157,24 @@ class TieredTransferHandler(ThreadPoolTransferHandler):
         return n
 
     def _copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
-        pair = (src.medium(), dst.medium())
-        if pair == (DISK_MEDIUM, REMOTE_MEDIUM):
-            assert self.disk is not None and self.remote is not None
-            assert isinstance(src, DiskLoadStoreSpec)
-            data, hit = self.disk.read_blocks(src)
-            keys = [k for k, h in zip(src.keys, hit) if h]
-            ok = self.remote.write_blocks(keys, data[[i for i, h in enumerate(hit) if h]])
-            if len(keys) < len(hit) or not all(ok):
-                raise BlocksMissing(f"{len(hit) - sum(ok)} of {len(hit)} blocks not moved")
-            return len(keys) * self.disk.store.block_bytes
-        if DISK_MEDIUM in pair:
-            assert self.disk is not None
-            return self.disk.copy(src, dst)
-        assert self.remote is not None
-        return self.remote.copy(src, dst)
+        if src.medium() == CPU:
+            return self.lower[dst.medium()].copy(src, dst)
+        if dst.medium() == CPU:
+            return self.lower[src.medium()].copy(src, dst)
+        return self._move(src, dst)
+
+    def _move(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
+        """One lower tier's blocks into another's (keys and order as ``src``); what can be
+        read is written, and the copy fails unless every block moved."""
+        reader, writer = self.lower[src.medium()], self.lower[dst.medium()]
+        data, hit = reader.read_blocks(src)
+        found = [i for i, h in enumerate(hit) if h]
+        keys = [reader.keys_of(src)[i] for i in found]
+        where = [[int(w[i]) for i in found] for w in writer.placement(dst)]
+        ok = writer.write_blocks(keys, data[found], *where)
+        if len(keys) < len(hit) or not all(ok):
+            raise BlocksMissing(f"{len(hit) - sum(ok)} of {len(hit)} blocks not moved")
+        return len(keys) * reader.store.block_bytes
 
     def _gpu_copy(self, spec: TransferSpec) -> int:
         sub_id = next(self._sub_ids)
