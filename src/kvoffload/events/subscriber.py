@@ -2,7 +2,9 @@
 
 It speaks the protocol described in :mod:`kvoffload.events.publisher`, in
 either wire profile, and works against any publisher that does: kvoffload's
-and vLLM 0.33's own ``ZmqEventPublisher``.
+and vLLM 0.33's own ``ZmqEventPublisher``. The replay socket, its open
+request and its backoff are :mod:`kvoffload.events.replay_client`'s; this
+module decides what to ask for and what to make of the answer.
 
 Invariants:
 
@@ -39,12 +41,13 @@ import re
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import zmq
 
-from kvoffload.events.publisher import END_SEQ, seq_from_bytes, seq_to_bytes
+from kvoffload.events.publisher import seq_from_bytes
+from kvoffload.events.replay_client import ReplayClient, ReplayRequest
 from kvoffload.events.types import KVEventBatch, decode_batch_profile
 
 DEFAULT_RCVHWM = 100_000
@@ -94,20 +97,6 @@ class SubscriberStats:
     replay_timeouts: int = 0
     replays_skipped: int = 0
     resyncs: int = 0
-
-
-@dataclass
-class _Replay:
-    """An open replay request for seqs from ``first`` on."""
-
-    first: int
-    # The live batch that revealed the gap (None for the start_seq catch-up).
-    live: tuple[int, bytes] | None
-    deadline: float
-    got: list[tuple[int, bytes]] = field(default_factory=list)
-    # Asked after a jump (a new epoch): only a stream that starts far ahead of
-    # ``first`` (a restarted publisher's) belongs to it.
-    resync: bool = False
 
 
 # Raw entries still to decode, in order: (seq, payload, replayed, epoch).
@@ -163,9 +152,6 @@ class KVEventSubscriber:
         self.endpoint = connectable(endpoint)
         self.replay_endpoint = connectable(replay_endpoint) if replay_endpoint else None
         self.topic = topic
-        self._replay_timeout_s = replay_timeout_s
-        self._backoff_min_s = replay_backoff_s
-        self._backoff_max_s = max(replay_backoff_s, replay_backoff_max_s)
         self._max_gap = max_gap
         self._on_gap = on_gap
         self._on_notice = on_notice
@@ -180,15 +166,12 @@ class KVEventSubscriber:
         # Replayed seqs newer than the newest live one: seq -> hash(payload),
         # so that their live copies are recognised as duplicates.
         self._replayed: dict[int, int] = {}
-        self._replay: _Replay | None = None
         self._held: deque[tuple[int, bytes]] = deque()
-        self._backoff_s = 0.0
-        self._backoff_until = 0.0
         self._pending: _Pending = []
         self._notices = 0
 
         self._ctx = zmq.Context()
-        self._dealer: zmq.Socket | None = None
+        self._replayer: ReplayClient | None = None
         try:
             self._sub = self._ctx.socket(zmq.SUB)
             self._sub.setsockopt(zmq.LINGER, 0)
@@ -196,7 +179,15 @@ class KVEventSubscriber:
             self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
             self._sub.connect(self.endpoint)
             if self.replay_endpoint is not None:
-                self._dealer = self._new_dealer()
+                self._replayer = ReplayClient(
+                    self._ctx,
+                    self.replay_endpoint,
+                    timeout_s=replay_timeout_s,
+                    backoff_s=replay_backoff_s,
+                    backoff_max_s=replay_backoff_max_s,
+                    stats=self.stats,
+                    notice=self._notice,
+                )
         except zmq.ZMQError as exc:
             # destroy() closes every socket of the context with linger 0, so
             # a half-made subscriber can never make term() wait.
@@ -208,6 +199,15 @@ class KVEventSubscriber:
     def next_seq(self) -> int | None:
         """The seq expected next; None before anything arrived (without start_seq)."""
         return self._expected
+
+    @property
+    def _replay(self) -> ReplayRequest | None:
+        """The open replay request, if any."""
+        return self._replayer.request if self._replayer is not None else None
+
+    @property
+    def _can_replay(self) -> bool:
+        return self._replayer is not None and self._replayer.connected
 
     # -- receiving --------------------------------------------------------------
 
@@ -249,15 +249,17 @@ class KVEventSubscriber:
     def _wait(self, wait_ms: int | None) -> None:
         poller = zmq.Poller()
         poller.register(self._sub, zmq.POLLIN)
-        if self._replay is not None and self._dealer is not None:
-            poller.register(self._dealer, zmq.POLLIN)
+        dealer = self._replayer.poll_socket() if self._replayer is not None else None
+        if dealer is not None:
+            poller.register(dealer, zmq.POLLIN)
         poller.poll(wait_ms)
 
     def _pump(self) -> None:
         """Take what is readable now: replay replies first, then live messages."""
-        if self._replay is not None:
-            self._read_replay()
-        if self._replay is not None and time.monotonic() >= self._replay.deadline:
+        replayer = self._replayer
+        if replayer is not None and replayer.request is not None and replayer.read():
+            self._finish_replay(timed_out=False)
+        if replayer is not None and replayer.expired:
             self._finish_replay(timed_out=True)
         for _ in range(_RECV_CHUNK):
             try:
@@ -282,7 +284,7 @@ class KVEventSubscriber:
         elif seq > expected:
             if seq - expected > self._max_gap:
                 self._resync(expected, seq, "jumped")
-                if self._dealer is not None:
+                if self._can_replay:
                     # A restarted publisher starts at a restart-safe seq far
                     # ahead; its first batches (missed while SUB was joining)
                     # are in its replay buffer. One try, whatever the backoff:
@@ -333,10 +335,11 @@ class KVEventSubscriber:
 
     def _gap(self, first: int, seq: int, payload: bytes) -> None:
         self.stats.gaps += 1
-        if self._dealer is not None and time.monotonic() >= self._backoff_until:
+        replayer = self._replayer
+        if replayer is not None and replayer.connected and not replayer.backing_off:
             self._start_replay(first, (seq, payload))
             return
-        if self._dealer is not None:
+        if replayer is not None and replayer.connected:
             self.stats.replays_skipped += 1
         lost_before = len(self.lost_ranges)
         self._lose(first, seq - 1)
@@ -357,61 +360,14 @@ class KVEventSubscriber:
     def _start_replay(
         self, first: int, live: tuple[int, bytes] | None, *, resync: bool = False
     ) -> None:
-        assert self._dealer is not None
-        deadline = time.monotonic() + self._replay_timeout_s
-        self._replay = _Replay(first, live, deadline, resync=resync)
-        try:
-            # The empty delimiter makes the request look like REQ's, which
-            # vLLM's publisher requires; replies then carry it too.
-            self._dealer.send_multipart((b"", seq_to_bytes(first)), zmq.NOBLOCK)
-        except zmq.ZMQError:
+        assert self._replayer is not None
+        if not self._replayer.ask(first, live, resync=resync):
             self._finish_replay(timed_out=True)
-
-    def _read_replay(self) -> None:
-        replay = self._replay
-        dealer = self._dealer
-        assert replay is not None and dealer is not None
-        while True:
-            try:
-                frames = dealer.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            replay.deadline = time.monotonic() + self._replay_timeout_s
-            if frames and frames[0] == b"":
-                frames = frames[1:]
-            # vLLM profile: [topic, seq, payload]; legacy: [seq, payload].
-            if len(frames) == 3:
-                frames = frames[1:]
-            if len(frames) != 2 or len(frames[0]) != 8:
-                self.stats.malformed += 1
-                self._notice(f"malformed replay message ({len(frames)} frames) ignored", flood=True)
-                continue
-            if frames[0] == END_SEQ:
-                self._finish_replay(timed_out=False)
-                return
-            replay.got.append((seq_from_bytes(frames[0]), frames[1]))
 
     def _finish_replay(self, *, timed_out: bool) -> None:
         """Hand out what the replay brought (and the live batch), record the rest lost."""
-        replay = self._replay
-        assert replay is not None
-        self._replay = None
-        if timed_out:
-            self.stats.replay_timeouts += 1
-            self._backoff_s = min(
-                self._backoff_max_s, max(2 * self._backoff_s, self._backoff_min_s)
-            )
-            self._backoff_until = time.monotonic() + self._backoff_s
-            self._notice(
-                f"replay from seq {replay.first} timed out after {len(replay.got)} batches; "
-                f"replays paused for {self._backoff_s:g} s"
-            )
-            # Late replies to this request must not pass for the next one's.
-            self._reset_dealer()
-        else:
-            self._backoff_s = 0.0
-            self._backoff_until = 0.0
-
+        assert self._replayer is not None
+        replay = self._replayer.close_request(timed_out=timed_out)
         first = replay.first
         live_seq = replay.live[0] if replay.live is not None else None
         got = {s: p for s, p in replay.got if s >= first}
@@ -457,27 +413,6 @@ class KVEventSubscriber:
             seq, payload = held.popleft()
             self._on_live(seq, payload)
 
-    def _new_dealer(self) -> zmq.Socket:
-        assert self.replay_endpoint is not None
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.RCVHWM, 0)
-        try:
-            dealer.connect(self.replay_endpoint)
-        except zmq.ZMQError:
-            dealer.close(linger=0)
-            raise
-        return dealer
-
-    def _reset_dealer(self) -> None:
-        if self._dealer is not None:
-            self._dealer.close(linger=0)
-            self._dealer = None
-        try:
-            self._dealer = self._new_dealer()
-        except zmq.ZMQError as exc:  # pragma: no cover - it connected before
-            self._notice(f"replay socket lost ({exc}); gaps are now only reported")
-
     # -- decoding ---------------------------------------------------------------
 
     def _decode(self) -> list[ReceivedBatch]:
@@ -501,7 +436,7 @@ class KVEventSubscriber:
                 self.stats.replayed += 1
         return out
 
-    def _notice(self, text: str, *, flood: bool = False) -> None:
+    def _notice(self, text: str, flood: bool = False) -> None:
         """Pass one line to ``on_notice``; ``flood`` lines (bad messages, which a
         hostile peer can send at any rate) only up to a limit, then counted."""
         if flood:
