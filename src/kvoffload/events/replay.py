@@ -33,6 +33,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import cast
 
 import zmq
 
@@ -220,7 +221,8 @@ class ReplayServer:
             return
         # Requests first (cheap check, no syscall), so each is answered from
         # what was sent before it arrived.
-        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        # ZMQ_EVENTS is an int option (pyzmq types every option's value as a union).
+        if cast(int, self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             self._take_requests()
         for _ in range(_BURST):
             if not ready:
