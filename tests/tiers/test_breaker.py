@@ -8,7 +8,7 @@ import weakref
 
 import pytest
 
-from kvoffload.tiers.redis.cluster import Breaker
+from kvoffload.tiers.redis.breaker import Breaker
 
 
 class _Buffer:

@@ -12,8 +12,13 @@ import numpy as np
 import pytest
 import redis
 
-from kvoffload.tiers.redis.cluster import parse_cluster_url, redact_cluster_url
-from kvoffload.tiers.redis.store import RedisBlockStore, normalize_url, redact_url
+from kvoffload.tiers.redis.store import RedisBlockStore
+from kvoffload.tiers.redis.urls import (
+    normalize_url,
+    parse_cluster_url,
+    redact_cluster_url,
+    redact_url,
+)
 from tests.conftest_redis import (
     RedisClusterFactory,
     RedisClusterNodes,

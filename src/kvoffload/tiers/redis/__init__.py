@@ -1,13 +1,14 @@
-"""The Redis / Valkey tier (standalone or Cluster): store, cluster links, manager, handler.
+"""The Redis / Valkey tier (standalone or Cluster): store, links, breaker, manager, handler.
 
 ``store`` keeps one checksummed value per block under a namespace derived
-from the tier fingerprint; ``cluster`` holds the connections (one server or
-a cluster's masters) and the breaker; ``manager`` the scheduler-side view of
-what the server holds, with ``presence`` learning it off the scheduler
-thread; ``handler`` moves bytes between CPU slots and the store.
+from the tier fingerprint; ``urls`` checks and redacts server URLs;
+``links`` holds the connections (one server or a cluster's masters), each
+behind a ``breaker`` that a ``probe`` reopens; ``manager`` is the
+scheduler-side view of what the server holds, with ``presence`` learning it
+off the scheduler thread; ``handler`` moves bytes between CPU slots and the
+store.
 """
 
-from kvoffload.tiers.redis.cluster import is_cluster_url, parse_cluster_url, redact_cluster_url
 from kvoffload.tiers.redis.handler import RedisTransferHandler
 from kvoffload.tiers.redis.manager import RemoteOffloadingManager
 from kvoffload.tiers.redis.presence import PresenceCache
@@ -16,7 +17,12 @@ from kvoffload.tiers.redis.store import (
     RedisStoreError,
     RedisStoreStats,
     namespace_prefix,
+)
+from kvoffload.tiers.redis.urls import (
+    is_cluster_url,
     normalize_url,
+    parse_cluster_url,
+    redact_cluster_url,
     redact_url,
 )
 

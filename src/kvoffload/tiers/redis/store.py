@@ -18,11 +18,11 @@ caller's buffer as a hit.
 Servers: ``redis://``, ``rediss://``, ``unix://`` (and ``valkey(s)://``)
 name one server; ``redis+cluster://host:port[,host:port...]`` (and
 ``rediss+cluster://``) a Redis Cluster, reached per master (see
-``cluster``).
+``links``); ``urls`` checks and redacts them.
 
 Faults: every socket operation has a bounded timeout and at most one
 immediate retry (a pooled connection gone stale across a server restart). A
-connection failure trips a breaker (per cluster node): for
+connection failure trips a breaker (``breaker``, per cluster node): for
 ``retry_interval_s`` every call answers at once (misses, failed stores,
 nothing present) without touching the network; then one call probes again,
 and each probe that fails doubles the wait (up to ``max_retry_interval_s``),
@@ -49,26 +49,17 @@ import json
 import logging
 import struct
 import threading
-import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import redis
 import xxhash
 
 from kvoffload.tiers.alarm import FailingAlarm
-from kvoffload.tiers.redis.cluster import (
-    CLUSTER_SCHEMES,
-    DOWN,
-    ClusterLinks,
-    Links,
-    StandaloneLinks,
-    is_cluster_url,
-    parse_cluster_url,
-    redact_cluster_url,
-)
+from kvoffload.tiers.redis.links import DOWN, ClusterLinks, Links, StandaloneLinks
+from kvoffload.tiers.redis.urls import is_cluster_url, normalize_url, redact_url
 from kvoffload.transfer.block_buffers import BlockBuffers, as_block_views
 
 logger = logging.getLogger(__name__)
@@ -78,15 +69,6 @@ _MAGIC = b"KVB1"
 # magic, version, pad, payload length, checksum of key + payload
 _HEADER = struct.Struct("<4sBxxxIQ")
 HEADER_BYTES = _HEADER.size
-_SCHEMES = {
-    "redis": "redis",
-    "rediss": "rediss",
-    "unix": "unix",
-    "valkey": "redis",
-    "valkeys": "rediss",
-}
-
-T = TypeVar("T")
 
 
 class RedisStoreError(RuntimeError):
@@ -106,54 +88,6 @@ class RedisStoreStats:
     poisoned_keys: int = 0
     outages: int = 0
     calls_skipped: int = 0
-
-
-def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for messages and logs)."""
-    if is_cluster_url(url):
-        return redact_cluster_url(url)
-    try:
-        parts = urllib.parse.urlsplit(url)
-    except ValueError:
-        return "<unparseable url>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
-
-
-def normalize_url(url: str) -> str:
-    """Check ``url`` and map ``valkey://`` to ``redis://``; a bad URL is a ``ValueError``."""
-    if not isinstance(url, str) or not url:
-        raise ValueError("the Redis URL is empty")
-    shown = redact_url(url)
-    if is_cluster_url(url):
-        parse_cluster_url(url)  # raises on a bad one
-        return url
-    try:
-        parts = urllib.parse.urlsplit(url)
-        port = parts.port
-    except ValueError as e:
-        raise ValueError(f"bad Redis URL {shown!r}: {e}") from None
-    scheme = _SCHEMES.get(parts.scheme.lower())
-    if scheme is None:
-        known = ", ".join(f"{s}://" for s in (*_SCHEMES, *CLUSTER_SCHEMES))
-        raise ValueError(f"bad Redis URL {shown!r}: the scheme must be one of {known}")
-    if scheme == "unix":
-        if not parts.path:
-            raise ValueError(f"bad Redis URL {shown!r}: a unix:// URL needs a socket path")
-    else:
-        if not parts.hostname:
-            raise ValueError(f"bad Redis URL {shown!r}: no host")
-        if port == 0:
-            raise ValueError(f"bad Redis URL {shown!r}: port 0")
-        db = parts.path.lstrip("/")
-        if db and not db.isdigit():
-            raise ValueError(f"bad Redis URL {shown!r}: the path must be a database number")
-    # Only the scheme changes (urlunsplit would also drop unix://'s empty host).
-    return scheme + url[len(parts.scheme) :]
 
 
 def namespace_prefix(

@@ -1,24 +1,17 @@
-"""Where the remote tier's keys go: one Redis server, or the nodes of a Redis Cluster.
+"""Where the remote tier's keys go: one Redis server, or the masters of a Redis Cluster.
 
 A ``Links`` object routes a batch of keys to ``Target``s (one server, or
 each cluster master owning some of the keys) and runs one pipeline per
-target. Each target has its own ``Breaker``: a target that fails to answer
-is skipped (its keys are misses, its stores fail) for ``retry_interval_s``,
-then one call tries it again, the wait doubling per failure up to
-``max_retry_interval_s`` (so callers pay at most one timeout per wait).
-Meanwhile a ``Prober`` (``probe``) sends one PING on a fresh connection
-every ``PROBE_INTERVAL_S`` off the callers' threads and reopens the target
-at the first answer, so a short outage ends within about a second of the
-server's return however long the back-off has grown. (The cluster's seed
-connection has no prober.) In a cluster, one dead master therefore costs
-only its own keys: the other masters keep serving.
+target. Each target has its own ``Breaker`` (``breaker``): a target that
+fails to answer is skipped (its keys are misses, its stores fail) until it
+answers again, so in a cluster one dead master costs only its own keys:
+the other masters keep serving. (The cluster's seed connection has a
+breaker but no prober.)
 
-Cluster URLs: ``redis+cluster://[user:password@]host:port[,host:port...]``
-(``rediss+cluster://`` for TLS; ``valkey+cluster://``/``valkeys+cluster://``
-alike). The listed nodes are seeds: the cluster's slot map is read from
-them (redis-py's ``RedisCluster``) and refreshed when a node answers MOVED.
-Keys are routed by their hash slot, so the store's hash tags decide which
-keys share a node.
+Cluster URLs (``urls``): the listed nodes are seeds: the cluster's slot map
+is read from them (redis-py's ``RedisCluster``) and refreshed when a node
+answers MOVED. Keys are routed by their hash slot, so the store's hash tags
+decide which keys share a node.
 """
 
 from __future__ import annotations
@@ -26,10 +19,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
@@ -37,197 +29,16 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
-from kvoffload.tiers.redis.probe import PROBE_INTERVAL_S, Prober, ping_on_fresh_connection
+from kvoffload.tiers.redis.breaker import OUTAGE_ERRORS, Breaker
+from kvoffload.tiers.redis.probe import ping_on_fresh_connection
+from kvoffload.tiers.redis.urls import parse_cluster_url
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-#: Errors that mean "the target did not answer" (not "the target refused").
-OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
-    redis.ConnectionError,
-    redis.TimeoutError,
-    OSError,
-    RedisClusterException,
-)
-CLUSTER_SCHEMES = {
-    "redis+cluster": False,
-    "rediss+cluster": True,
-    "valkey+cluster": False,
-    "valkeys+cluster": True,
-}
 #: A pipeline reply standing for "the target was skipped or did not answer".
 DOWN: Any = object()
 # Slot-map refreshes after MOVED replies: at most one per this many seconds.
 _REFRESH_EVERY_S = 1.0
-
-
-def is_cluster_url(url: str) -> bool:
-    return url.partition("://")[0].lower() in CLUSTER_SCHEMES
-
-
-@dataclass(frozen=True)
-class ClusterURL:
-    seeds: list[tuple[str, int]]
-    username: str | None
-    password: str | None
-    tls: bool
-
-
-def redact_cluster_url(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    netloc, slash, path = rest.partition("/")
-    auth, at, hosts = netloc.rpartition("@")
-    if not at or ":" not in auth:
-        return url
-    user = auth.split(":", 1)[0]
-    return f"{scheme}{sep}{user}:***@{hosts}{slash}{path}"
-
-
-def parse_cluster_url(url: str) -> ClusterURL:
-    """The seed nodes and credentials of a cluster URL; a bad one is a ``ValueError``."""
-    shown = redact_cluster_url(url)
-    scheme, _, rest = url.partition("://")
-    tls = CLUSTER_SCHEMES.get(scheme.lower())
-    if tls is None:
-        raise ValueError(f"bad Redis Cluster URL {shown!r}: unknown scheme")
-    rest, q, _ = rest.partition("?")
-    netloc, _, path = rest.partition("/")
-    if q:
-        raise ValueError(f"bad Redis Cluster URL {shown!r}: options (?...) are not supported")
-    if path not in ("", "0"):
-        raise ValueError(f"bad Redis Cluster URL {shown!r}: a cluster has only database 0")
-    auth, at, hosts = netloc.rpartition("@")
-    username = password = None
-    if at:
-        user, colon, pw = auth.partition(":")
-        username = urllib.parse.unquote(user) or None
-        password = urllib.parse.unquote(pw) if colon else None
-    seeds: list[tuple[str, int]] = []
-    for item in hosts.split(","):
-        if not item:
-            raise ValueError(f"bad Redis Cluster URL {shown!r}: an empty seed node")
-        try:
-            parts = urllib.parse.urlsplit(f"//{item}")
-            host, port = parts.hostname, parts.port
-        except ValueError as e:
-            raise ValueError(f"bad Redis Cluster URL {shown!r}: {e}") from None
-        if not host:
-            raise ValueError(f"bad Redis Cluster URL {shown!r}: seed {item!r} has no host")
-        if port == 0:
-            raise ValueError(f"bad Redis Cluster URL {shown!r}: port 0")
-        seeds.append((host, port or 6379))
-    return ClusterURL(seeds, username, password, tls)
-
-
-class Breaker:
-    """The outage state of one target; see the module docstring."""
-
-    def __init__(
-        self,
-        name: str,
-        shown: str,
-        retry_interval_s: float,
-        max_retry_interval_s: float,
-        log: logging.Logger = logger,
-        probe: Callable[[], None] | None = None,
-        probe_interval_s: float = PROBE_INTERVAL_S,
-    ) -> None:
-        self.name = name
-        self.log = log
-        self.shown = shown
-        self.retry_interval_s = retry_interval_s
-        self.max_retry_interval_s = max(max_retry_interval_s, retry_interval_s)
-        self.outages = 0
-        self.calls_skipped = 0
-        self._interval = retry_interval_s
-        self._down_until = 0.0
-        self._down_since: float | None = None
-        self._lock = threading.Lock()
-        # With a probe, a down target is also reopened as soon as it answers a PING.
-        self.prober = (
-            None
-            if probe is None
-            else Prober(
-                name,
-                probe,
-                self.mark_up,
-                min(probe_interval_s, max(retry_interval_s, 0.01)),
-                self.max_retry_interval_s,
-            )
-        )
-
-    @property
-    def up(self) -> bool:
-        return self._down_since is None
-
-    def mark_down(self, err: BaseException) -> None:
-        with self._lock:
-            if self._down_since is None:
-                self._interval = self.retry_interval_s
-            else:
-                self._interval = min(2 * self._interval, self.max_retry_interval_s)
-            self._down_until = time.monotonic() + self._interval
-            first = self._down_since is None
-            if first:
-                self._down_since = time.monotonic()
-                self.outages += 1
-        if self.prober is not None:
-            self.prober.start()
-        if not first:
-            return
-        retry = (
-            f"next try in {self.retry_interval_s:.1f}s, backing off to "
-            f"{self.max_retry_interval_s:.1f}s"
-        )
-        if self.prober is not None:
-            retry += f"; probed every {self.prober.interval_s:.1f}s"
-        self.log.warning(
-            "Redis tier at %s is unreachable (%s: %s); its loads are misses and its "
-            "stores fail until it is back (%s)",
-            self.shown,
-            type(err).__name__,
-            # The text, not the exception: a handler that keeps records (pytest's
-            # does) would keep its traceback's frames, and the buffers they hold, alive.
-            str(err),
-            retry,
-        )
-
-    def mark_up(self) -> None:
-        if self._down_since is None:
-            return
-        with self._lock:
-            if self._down_since is None:
-                return
-            down_for = time.monotonic() - self._down_since
-            self._down_since = None
-        self.log.warning(
-            "Redis tier at %s is back after %.1fs (%d calls skipped meanwhile)",
-            self.shown,
-            down_for,
-            self.calls_skipped,
-        )
-
-    def probe_now(self) -> None:
-        with self._lock:
-            self._down_until = 0.0
-
-    def close(self) -> None:
-        if self.prober is not None:
-            self.prober.close()
-
-    def guarded(self, fn: Callable[[], T], fallback: T) -> T:
-        """``fn()``, or ``fallback`` while down or when the target does not answer."""
-        if self._down_since is not None and time.monotonic() < self._down_until:
-            self.calls_skipped += 1
-            return fallback
-        try:
-            out = fn()
-        except OUTAGE_ERRORS as e:
-            self.mark_down(e)
-            return fallback
-        self.mark_up()
-        return out
 
 
 @dataclass
