@@ -25,7 +25,7 @@ from vllm.logging_utils import NewLineFormatter  # noqa: E402
 
 import kvoffload.integrations.vllm.tiers.base  # noqa: E402, F401  (installs the bridge)
 from kvoffload.integrations.vllm import log_bridge  # noqa: E402
-from kvoffload.tiers.redis.cluster import Breaker  # noqa: E402
+from kvoffload.tiers.redis.breaker import Breaker  # noqa: E402
 
 #: vLLM's line format (``vllm.logger._FORMAT`` without its prefix and process name).
 FORMAT = "%(levelname)s %(asctime)s [%(fileinfo)s:%(lineno)d] %(message)s"
@@ -77,8 +77,8 @@ def test_a_redis_outage_and_its_end_are_vllm_warnings(
     back = [line for line in lines if "is back after" in line]
     assert len(down) == 1 and down[0].startswith("WARNING "), lines
     assert len(back) == 1 and back[0].startswith("WARNING "), lines
-    assert "[cluster.py:" in down[0]  # vLLM's file and line field, filled for our record
-    assert names == ["vllm.kvoffload.tiers.redis.cluster"] * 2
+    assert "[breaker.py:" in down[0]  # vLLM's file and line field, filled for our record
+    assert names == ["vllm.kvoffload.tiers.redis.breaker"] * 2
 
 
 def test_info_lines_pass_at_vllms_level(vllm_output: tuple[io.StringIO, list[str]]) -> None:
