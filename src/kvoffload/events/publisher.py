@@ -226,6 +226,7 @@ class ZmqEventPublisher(EventPublisher):
         self._int_hashes = vllm_int_hashes_from_env() if int_hashes is None else int_hashes
         self._requested_endpoint = endpoint
         self._requested_replay_endpoint = replay_endpoint or None
+        self._bind_names = f"({endpoint!r}, replay {replay_endpoint!r})"
         self.topic = topic
         self._topic_bytes = topic.encode("utf-8")
         self.buffer_steps = buffer_steps
@@ -260,6 +261,14 @@ class ZmqEventPublisher(EventPublisher):
         self._thread = threading.Thread(
             target=self._run, name="kvoffload-event-publisher", daemon=True
         )
+        self._start_socket_thread(start_timeout_s)
+        if self._requested_replay_endpoint is not None:
+            self._start_replay_server(
+                self._requested_replay_endpoint, replay_client_hwm, replay_stall_s
+            )
+
+    def _start_socket_thread(self, start_timeout_s: float) -> None:
+        """Start the socket thread and wait until its PUB socket is bound."""
         self._thread.start()
         if not self._ready.wait(start_timeout_s):
             self._abort_start()
@@ -268,28 +277,26 @@ class ZmqEventPublisher(EventPublisher):
             self._thread.join(self._shutdown_timeout_s)
             self._close_wake()
             raise OSError(
-                f"cannot bind KV event sockets ({endpoint!r}, replay {replay_endpoint!r}): "
-                f"{self._start_error}"
+                f"cannot bind KV event sockets {self._bind_names}: {self._start_error}"
             ) from self._start_error
-        if self._requested_replay_endpoint is not None:
-            try:
-                self._replay = ReplayServer(
-                    self._requested_replay_endpoint,
-                    self._buffer,
-                    self._topic_bytes,
-                    self.profile == PROFILE_VLLM,
-                    client_hwm=replay_client_hwm,
-                    stall_s=replay_stall_s,
-                    linger_ms=self._linger_ms,
-                )
-            except zmq.ZMQError as exc:
-                self._abort_start()
-                raise OSError(
-                    f"cannot bind KV event sockets ({endpoint!r}, replay {replay_endpoint!r}): "
-                    f"{exc}"
-                ) from exc
-            self.replay_endpoint = self._replay.endpoint
-            self.stats.replay = self._replay.stats
+
+    def _start_replay_server(self, endpoint: str, client_hwm: int, stall_s: float) -> None:
+        """Bind the replay socket (its own thread) over the shared buffer."""
+        try:
+            self._replay = ReplayServer(
+                endpoint,
+                self._buffer,
+                self._topic_bytes,
+                self.profile == PROFILE_VLLM,
+                client_hwm=client_hwm,
+                stall_s=stall_s,
+                linger_ms=self._linger_ms,
+            )
+        except zmq.ZMQError as exc:
+            self._abort_start()
+            raise OSError(f"cannot bind KV event sockets {self._bind_names}: {exc}") from exc
+        self.replay_endpoint = self._replay.endpoint
+        self.stats.replay = self._replay.stats
 
     # -- engine thread ----------------------------------------------------------
 
