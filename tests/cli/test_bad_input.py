@@ -395,7 +395,7 @@ def test_bad_invocation_is_one_line(
 def test_unexpected_errors_are_one_line_with_a_debug_hint(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvoffload.bench.blocks as blocks
+    import kvoffload.bench.core.blocks as blocks
 
     def boom(*_: object) -> dict[str, object]:
         raise KeyError("surprise\nsecond line")
@@ -483,7 +483,7 @@ def test_the_line_names_the_problem(
 def test_allocator_errors_read_as_out_of_memory(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvoffload.bench.blocks as blocks
+    import kvoffload.bench.core.blocks as blocks
 
     def oom(*_: object) -> dict[str, object]:
         raise RuntimeError(

@@ -89,9 +89,9 @@ def test_bench_serve_compares_configurations(tmp_path, capsys) -> None:
 def test_run_sends_the_session_hint_for_every_turn_but_a_conversations_last(
     monkeypatch, capsys
 ) -> None:
-    from kvoffload.bench.serving import demo_workload
-    from kvoffload.bench.workload import continuing_request_ids, generate_trace
     from kvoffload.engine.connector.scheduler import OffloadingConnectorScheduler
+    from kvoffload.engine.demo.serving import demo_workload
+    from kvoffload.engine.demo.workload import continuing_request_ids, generate_trace
     from kvoffload.engine.llm_engine import LLMEngine
 
     sent: dict[str, bool] = {}

@@ -24,7 +24,7 @@ def test_run_verify_json_and_refuses_offload_off(capsys) -> None:
 def test_verify_compare_counts_bitwise_differences() -> None:
     import torch
 
-    from kvoffload.bench.verify import RecordedRequest, compare
+    from kvoffload.engine.demo.verify import RecordedRequest, compare
 
     rows = torch.randn(3, 16)
     flipped = rows.clone()

@@ -9,8 +9,8 @@ timing-dependent comparison (transfers racing the model) is what
 
 from dataclasses import dataclass
 
-from kvoffload.bench.workload import WorkloadConfig, generate_trace
 from kvoffload.engine import EngineConfig, LLMEngine, SamplingParams
+from kvoffload.engine.demo.workload import WorkloadConfig, generate_trace
 
 CONCURRENCY = 4
 # Multi-turn chat, small: 16 conversations' prefixes outgrow the GPU tier (24

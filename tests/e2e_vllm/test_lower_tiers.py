@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvoffload.bench.vllm_engine import TINY_BLOCK_BYTES, workload_phases
+from kvoffload.bench.vllm.engine import TINY_BLOCK_BYTES, workload_phases
 from tests.conftest_redis import RedisServer, find_server_binary, free_port
 from tests.e2e_vllm.conftest import ENGINE_BASE, counter, outputs, run_job
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from kvoffload.bench.vllm_engine import TINY_BLOCK_BYTES, round_robin_prompts
+from kvoffload.bench.vllm.engine import TINY_BLOCK_BYTES, round_robin_prompts
 from tests.conftest_redis import RedisServer, find_server_binary, free_port
 from tests.e2e_vllm.openai_server_rig import (
     KVOFFLOAD_CONNECTOR,

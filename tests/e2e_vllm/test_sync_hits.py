@@ -2,7 +2,7 @@
 
 vLLM 0.32 has no synchronous loads; ``KVOffloadConnector`` adds them
 (``sync_loads``). The engine runs ``ProfiledKVOffloadConnector``
-(``kvoffload.bench.vllm_hit_profile``), which counts the engine steps between
+(``kvoffload.bench.vllm.hit_profile``), which counts the engine steps between
 the lookup that finds a hit and the step that computes the request: no timing
 is asserted. Three engines up at once (``run_interleaved``), the round-robin
 workload (8 prefixes of 300-600 tokens, 4 visits, a 48-block device tier, so
@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from kvoffload.bench.vllm_engine import EngineRunError, run_engines, workload_phases
-from kvoffload.bench.vllm_hits import PROFILED
+from kvoffload.bench.vllm.engine import EngineRunError, run_engines, workload_phases
+from kvoffload.bench.vllm.hits import PROFILED
 from tests.e2e_vllm.conftest import CPU_BYTES, ENGINE_BASE, JOB_TIMEOUT_S, outputs
 
 pytestmark = pytest.mark.timeout(1800)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvoffload.bench.traces import generate, trace_keys
+from kvoffload.bench.policy.traces import generate, trace_keys
 from kvoffload.offload import CPUOffloadingManager, OffloadKey
 from kvoffload.offload.policies.default.arms import SECOND, ArmsChainLRUPolicy
 from kvoffload.offload.policies.default.queue import QueueArmsPolicy

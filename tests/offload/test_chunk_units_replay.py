@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kvoffload.bench import hybrid_replay as hr
+from kvoffload.bench.policy import hybrid_replay as hr
 from kvoffload.offload import OffloadKey
 from tests.offload.keyutil import key
 

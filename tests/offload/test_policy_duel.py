@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.bench.offload import replay
-from kvoffload.bench.traces import generate, trace_keys
+from kvoffload.bench.policy.offload import replay
+from kvoffload.bench.policy.traces import generate, trace_keys
 from kvoffload.offload import CPUOffloadingManager, OffloadKey
 from kvoffload.offload.policies.default import ChainLRUPolicy
 from kvoffload.offload.policies.default.arc_arm import T1, T2, ArcArm

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.bench.route_indexer import (
+from kvoffload.bench.routing.indexer import (
     DYNAMO_PACKAGE,
     DynamoIndexer,
     IndexerClient,

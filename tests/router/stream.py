@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-from kvoffload.bench.route_indexer import TierOverlap
+from kvoffload.bench.routing.indexer import TierOverlap
 from kvoffload.events.subscriber import KVEventSubscriber
 from kvoffload.events.types import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.router.truth import staged_overlap

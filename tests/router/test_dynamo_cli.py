@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.bench.route_indexer import DynamoIndexer, IndexerClient, TierOverlap
-from kvoffload.bench.serving import demo_workload
-from kvoffload.bench.workload import generate_trace
+from kvoffload.bench.routing.indexer import DynamoIndexer, IndexerClient, TierOverlap
 from kvoffload.engine.config import EngineConfig
+from kvoffload.engine.demo.serving import demo_workload
+from kvoffload.engine.demo.workload import generate_trace
 from kvoffload.engine.model_runner import peek_vocab_size
 from tests.conftest_redis import free_port
 from tests.router.conftest import register_when_bound

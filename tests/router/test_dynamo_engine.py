@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.bench.route_indexer import DynamoIndexer, IndexerClient, TierOverlap
-from kvoffload.bench.serving import demo_workload, run_trace
-from kvoffload.bench.workload import generate_trace
+from kvoffload.bench.routing.indexer import DynamoIndexer, IndexerClient, TierOverlap
 from kvoffload.cli import run_cmd
 from kvoffload.cli.engine_args import engine_config_from_args
+from kvoffload.engine.demo.serving import demo_workload, run_trace
+from kvoffload.engine.demo.workload import generate_trace
 from kvoffload.engine.llm_engine import LLMEngine
 from tests.conftest_redis import free_port
 from tests.router.truth import Probe, classify, engine_overlap, probe_prompts

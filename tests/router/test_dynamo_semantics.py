@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from kvoffload.bench.route_indexer import DynamoIndexer, TierOverlap
+from kvoffload.bench.routing.indexer import DynamoIndexer, TierOverlap
 from kvoffload.events.publisher import ZmqEventPublisher
 from kvoffload.events.types import BlockStored
 from kvoffload.hashing import hash_request_tokens, sha256

@@ -1,6 +1,6 @@
 """Dynamo's KV indexer fed by a real vLLM engine (vLLM's CPU build) with ``KVOffloadConnector``.
 
-The engine runs in the e2e suite's venv (``kvoffload.bench.vllm_runner``),
+The engine runs in the e2e suite's venv (``kvoffload.bench.vllm.runner``),
 publishing vLLM's own KV events: the GPU tier's from vLLM's block pool,
 the CPU tier's from kvoffload's connector (self-describing, vLLM's
 ``self_describing_kv_events`` key). Dynamo indexes both; a copy-counting
@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from kvoffload.bench.route_indexer import DynamoIndexer, TierOverlap
-from kvoffload.bench.vllm_engine import EngineRunError, find_engine_python, run_engines
+from kvoffload.bench.routing.indexer import DynamoIndexer, TierOverlap
+from kvoffload.bench.vllm.engine import EngineRunError, find_engine_python, run_engines
 from tests.conftest_redis import free_port
 from tests.router.conftest import register_when_bound
 from tests.router.stream import StreamHoldings
@@ -33,7 +33,7 @@ from tests.router.test_dynamo_engine import wait_indexed
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 BS = 32  # vLLM's CPU attention block size
-VOCAB = 2048  # the tiny model's (kvoffload.bench.vllm_model)
+VOCAB = 2048  # the tiny model's (kvoffload.bench.vllm.model)
 MODEL = "vllm-tiny"
 # About 170 blocks: every prefix fits. At 4MiB (about 40 blocks, evicting) the engine
 # died on 2026-12-06 in vLLM's offloading scheduler (`assert self._jobs[any_jid].is_store`
@@ -80,7 +80,7 @@ def test_dynamo_indexes_kvoffloads_cpu_tier_behind_vllm(
     python = engine_python()
     model = tmp_path / "tiny-llama"
     subprocess.run(
-        [str(python), "-m", "kvoffload.bench.vllm_model", str(model), "--seed", "0"],
+        [str(python), "-m", "kvoffload.bench.vllm.model", str(model), "--seed", "0"],
         check=True,
         capture_output=True,
         timeout=300,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvoffload.bench.route_indexer import TierOverlap
-from kvoffload.bench.route_policy import KVRouter, Load, RandomRouter, RoundRobinRouter
-from kvoffload.bench.route_workloads import mooncake_requests, shared_prefix_tokens
+from kvoffload.bench.routing.indexer import TierOverlap
+from kvoffload.bench.routing.routers import KVRouter, Load, RandomRouter, RoundRobinRouter
+from kvoffload.bench.routing.workloads import mooncake_requests, shared_prefix_tokens
 
 
 def test_kv_router_prefers_the_longest_cheapest_prefix() -> None:

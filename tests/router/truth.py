@@ -17,7 +17,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvoffload.bench.route_indexer import TierOverlap
+from kvoffload.bench.routing.indexer import TierOverlap
 from kvoffload.engine.llm_engine import LLMEngine
 from kvoffload.hashing import hash_request_tokens
 from kvoffload.offload.base import make_offload_key
