@@ -24,6 +24,14 @@ from dataclasses import dataclass
 from typing import Any
 
 WRITE_MODES = ("write_back", "write_through")
+MOONCAKE_KEYS = (
+    "mooncake_url",
+    "mooncake_namespace",
+    "mooncake_metadata",
+    "mooncake_protocol",
+    "mooncake_segment_bytes",
+    "mooncake_local_buffer_bytes",
+)
 
 #: Keys ``TierConfig.from_mapping`` reads (the dataclass's fields, plus ``write_through``).
 TIER_KEYS: tuple[str, ...] = (
@@ -40,7 +48,10 @@ TIER_KEYS: tuple[str, ...] = (
     "direct_io",
     "enable_events",
     "redis_async_presence",
+    *MOONCAKE_KEYS,
 )
+#: The keys that name a lower tier (at least one must be set).
+TIER_NAMING_KEYS = ("disk_dir", "redis_url", "mooncake_url")
 
 
 class TierConfigError(ValueError):
@@ -154,6 +165,10 @@ class TierConfig:
       ``redis_async_presence``: lookups answer from known presence and ask
       the server off the scheduler thread, one pipelined round trip per
       step (False: one synchronous round trip per lookup).
+    - ``mooncake_url``: a Mooncake Store master, ``mooncakestore://HOST:PORT``,
+      and its ``mooncake_*`` knobs (``kvoffload.tiers.mooncake.settings``);
+      the Mooncake and Redis tiers are both the shared remote tier: one or
+      the other.
     - ``write_mode``: "write_back" (blocks go down when the CPU tier evicts
       them) or "write_through" (every stored block at once).
     - ``num_threads``: worker threads per lower tier; ``enable_events``:
@@ -174,6 +189,12 @@ class TierConfig:
     direct_io: bool | None = None
     enable_events: bool = True
     redis_async_presence: bool = True
+    mooncake_url: str | None = None
+    mooncake_namespace: str = "kvoffload"
+    mooncake_metadata: str = "P2PHANDSHAKE"
+    mooncake_protocol: str = "tcp"
+    mooncake_segment_bytes: int = 0
+    mooncake_local_buffer_bytes: int = 16 << 20
     where: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -210,8 +231,22 @@ class TierConfig:
         for key in ("enable_events", "redis_async_presence"):
             if not isinstance(getattr(self, key), bool):
                 raise _fail(w, key, f"expected true or false, got {getattr(self, key)!r}")
-        if self.disk_dir is None and self.redis_url is None:
-            raise _fail(w, "disk_dir", "no lower tier: set disk_dir, redis_url, or both")
+        self._check_mooncake()
+        if self.disk_dir is None and self.redis_url is None and self.mooncake_url is None:
+            raise _fail(w, "disk_dir", "no lower tier: set disk_dir, redis_url or mooncake_url")
+
+    def _check_mooncake(self) -> None:
+        from kvoffload.tiers.mooncake import settings
+
+        try:
+            checked = settings.check({k: getattr(self, k) for k in settings.KEYS})
+        except settings.MooncakeSettingError as exc:
+            raise _fail(self.where, exc.key, exc.why) from None
+        for key, value in checked.items():
+            object.__setattr__(self, key, value)
+        if self.mooncake_url is not None and self.redis_url is not None:
+            why = "cannot be combined with redis_url (both are the shared remote tier)"
+            raise _fail(self.where, "mooncake_url", why)
 
     @property
     def has_disk(self) -> bool:
@@ -220,6 +255,10 @@ class TierConfig:
     @property
     def has_redis(self) -> bool:
         return self.redis_url is not None
+
+    @property
+    def has_mooncake(self) -> bool:
+        return self.mooncake_url is not None
 
     @property
     def write_through(self) -> bool:
@@ -257,15 +296,16 @@ class TierConfig:
         if unknown:
             raise _fail(where, unknown[0], f"unknown key; known: {', '.join(TIER_KEYS)}")
         m = {k: v for k, v in mapping.items() if v is not None}
-        if "disk_dir" not in m and "redis_url" not in m:
+        if not any(k in m for k in TIER_NAMING_KEYS):
             for key in ("disk_bytes", "disk_blocks", "write_through", "write_mode"):
                 if key in m and not (
                     key == "write_through" and not _parse_bool(where, key, m[key])
                 ):
-                    raise _fail(where, key, "needs a lower tier (disk_dir or redis_url)")
+                    why = "needs a lower tier (disk_dir, redis_url or mooncake_url)"
+                    raise _fail(where, key, why)
             return None
         args: dict[str, Any] = {"where": where}
-        for key in ("disk_dir", "redis_url", "redis_namespace", "write_mode"):
+        for key in ("disk_dir", "redis_url", "redis_namespace", "write_mode", *MOONCAKE_KEYS):
             if key in m:
                 args[key] = m[key]
         if "disk_bytes" in m:
