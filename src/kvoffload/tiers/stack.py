@@ -43,6 +43,7 @@ from kvoffload.tiers.disk.manager import DiskOffloadingManager
 from kvoffload.tiers.disk.store import DiskBlockStore
 from kvoffload.tiers.identity import tier_fingerprint
 from kvoffload.tiers.lower_tier import TIERED_MEDIUM, LowerTierManager
+from kvoffload.tiers.mooncake.build import build_mooncake
 from kvoffload.tiers.redis.handler import RedisTransferHandler
 from kvoffload.tiers.redis.manager import RemoteOffloadingManager
 from kvoffload.tiers.redis.presence import PresenceCache
@@ -202,7 +203,11 @@ def build_redis(ctx: TierContext) -> BuiltTier | None:
 
 
 #: The lower tiers in stacking order (a lookup asks them in this order).
-TIER_BUILDERS: tuple[Callable[[TierContext], BuiltTier | None], ...] = (build_disk, build_redis)
+TIER_BUILDERS: tuple[Callable[[TierContext], BuiltTier | None], ...] = (
+    build_disk,
+    build_redis,
+    build_mooncake,
+)
 
 
 def make_tiers(
