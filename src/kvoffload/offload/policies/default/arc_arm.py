@@ -80,6 +80,21 @@ class ArcArm(ARCPolicy):
             _consume(starmap(b2.popitem, repeat(_OLDEST, k)))
             _consume(starmap(pop1, repeat(_OLDEST, over - k)))
 
+    def resize(self, capacity: int) -> None:
+        """A shadow's new size (nothing pinned): ``p`` clamped, T1's least recent evicted
+        while |T1| > p else T2's, each to its ghost list, until ``capacity`` are left."""
+        self.capacity = capacity
+        self.p = min(self.p, float(capacity))
+        t1, t2 = self.t1, self.t2
+        while len(t1) + len(t2) > capacity:
+            if t1 and (not t2 or len(t1) > self.p):
+                self.b1[t1.popitem(last=False)[0]] = None
+                self.n1 -= 1
+            else:
+                self.b2[t2.popitem(last=False)[0]] = None
+                self.n2 -= 1
+        self._trim_ghosts()
+
     def offer_one(self, key: OffloadKey) -> None:
         """``evict(n, [key])`` then ``insert([key])`` for a key not resident, with
         nothing pinned and ``n`` the one slot a full tier needs (else 0): a shadow

@@ -12,7 +12,7 @@ moves. A store is admitted or not as a whole, so chains stay whole; until the
 tier first fills, every store is admitted (there is nothing to protect yet).
 
 Three shadow LRUs of ``capacity / rate`` slots replay a fixed sample of the
-keys (1 in ``rate`` by a byte of the key, as ``chain_duel``): one per mode.
+keys (1 in ``rate`` by the hash's last byte, ``sampled``): one per mode.
 Each keeps a decayed hit score; the real cache follows the best one, and
 leaves its current mode only for a score better by ``switch_margin`` (in
 shadow hits), so noise does not flip it. This is set dueling over three arms;
@@ -41,6 +41,24 @@ _OLDEST = (False,)  # popitem's argument: the least recent item
 #: Runs an iterator of calls to its end in C (a zero-length deque keeps nothing); a
 #: bound C method, so no Python frame per use.
 _consume: Callable[[Iterable[object]], None] = deque(maxlen=0).extend
+
+
+def sampled(keys: Sequence[OffloadKey], mask: int) -> Sequence[OffloadKey]:
+    """The shadows' fixed sample of ``keys``: 1 in ``mask + 1`` by the hash's last byte.
+
+    A key is sampled by ``key[-1] ^ key[-5]``, which holds the block hash's last
+    byte whatever the key's shape: an ``OffloadKey`` (hash + 4-byte group index)
+    has it at ``[-5]`` and its group index's low byte at ``[-1]`` (0 for a tier of
+    one group: the sample is ``[-5]``'s alone), a chunk unit (``chunk_units``: the
+    hash without the group index) has it at ``[-1]`` and another hash byte at
+    ``[-5]``. Reading ``[-5]`` alone sampled a unit by its hash's fifth-last byte,
+    which is 0 for every integer-derived id up to 2**32 (trace ids, Mooncake's
+    hash ids): every key went to shadows sized for 1 in 16, and the duel judged a
+    tier 16 times too small (where second sighting wins).
+    """
+    if not mask:
+        return keys
+    return [k for k in keys if not (k[-1] ^ k[-5]) & mask]
 
 
 class _Shadow:
@@ -158,8 +176,7 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
         self._keep = 1.0 - 1.0 / (self.window * shadow_cap)
 
     def _observe(self, keys: Sequence[OffloadKey]) -> None:
-        mask = self.rate_mask
-        sample = [k for k in keys if (k[-5] & mask) == 0] if mask else keys
+        sample = sampled(keys, self.rate_mask)
         if not sample:
             return
         a, b, c = self.shadows

@@ -23,7 +23,13 @@ from typing import ClassVar
 
 from kvoffload.offload.base import OffloadKey
 from kvoffload.offload.policies.default.arc_arm import ArcArm
-from kvoffload.offload.policies.default.arms import _OLDEST, ALL, ArmsChainLRUPolicy, _consume
+from kvoffload.offload.policies.default.arms import (
+    _OLDEST,
+    ALL,
+    ArmsChainLRUPolicy,
+    _consume,
+    sampled,
+)
 from kvoffload.offload.policies.default.chain_lru import ChainLRUPolicy
 from kvoffload.offload.policies.default.shadow_tier import ARC, BIP, SECOND, ShadowTier
 
@@ -75,6 +81,23 @@ class ArmsDuel(ArmsChainLRUPolicy):
         # The sampled keys this request read: an offer continuing the request is stored
         # behind them in the LRU arms' shadows, as the chain list anchors it (``_behind_prefix``).
         self._prefix: Sequence[OffloadKey] = ()
+
+    def fit_shadows(self, resident: int) -> None:
+        """The real tier holds ``resident`` keys of this policy when full: the shadows model
+        a tier of that size (1 in ``rate``), resized once it moves by more than 1/16.
+
+        A plain tier holds ``capacity`` (nothing changes). Under ``chunk_units`` this
+        policy ranks chunks, each holding one to one-per-group slots, so the tier holds
+        fewer of them than its capacity: shadows sized by the capacity judged a tier up
+        to 1.7 times too large (4 groups, window 1,024, 5%), where ARC and second
+        sighting looked as good as admitting all, and lost 5 points to plain LRU."""
+        cap = max(1, resident // self.rate)
+        now = self.tiers[0].capacity
+        if 16 * abs(cap - now) <= now:
+            return
+        for tier in self.tiers:
+            tier.resize(cap)
+        self._keep = 1.0 - 1.0 / (self.window * cap)
 
     @property
     def arc_shadow(self) -> ArcArm:
@@ -185,8 +208,7 @@ class ArmsDuel(ArmsChainLRUPolicy):
         self._after_offer = False
         a, b, c, d = self.tiers
         a.broken = b.broken = c.broken = d.broken = False
-        mask = self.rate_mask
-        sample = [k for k in keys if (k[-5] & mask) == 0] if mask else keys
+        sample = sampled(keys, self.rate_mask)
         self._prefix = sample
         if sample:
             self._score(sample)
@@ -200,8 +222,7 @@ class ArmsDuel(ArmsChainLRUPolicy):
             a.broken = b.broken = c.broken = d.broken = False
             self._prefix = ()
         self._after_offer = True
-        mask = self.rate_mask
-        sample = [k for k in keys if (k[-5] & mask) == 0] if mask else keys
+        sample = sampled(keys, self.rate_mask)
         if sample:
             self._score(sample)
             if self._prefix:

@@ -95,6 +95,10 @@ class PolicyDuel(CachePolicy):
         self._clock = 0  # keys offered or read
         self._last_switch = 0
         self._decided: set[OffloadKey] | None = None  # keys ``admit`` observed (ARC live)
+        # What the tier holds when full, smoothed (``ArmsDuel.fit_shadows``): measured after
+        # each store that had to evict.
+        self._full = False
+        self._resident = float(capacity)
 
     # -- introspection -----------------------------------------------------------------
 
@@ -140,6 +144,12 @@ class PolicyDuel(CachePolicy):
 
     def insert(self, keys: Sequence[OffloadKey]) -> None:
         (self.arc if self.on_arc else self.lru).insert(keys)
+        if self._full:
+            self._full = False
+            resident = self._resident
+            resident += (len(self) - resident) / 8
+            self._resident = resident
+            self.lru.fit_shadows(int(resident))
 
     def access(self, keys: Sequence[OffloadKey]) -> None:
         self._clock += len(keys)
@@ -164,6 +174,8 @@ class PolicyDuel(CachePolicy):
         (self.arc if self.on_arc else self.lru).discard(key)
 
     def evict(self, n: int, incoming: Sequence[OffloadKey]) -> list[OffloadKey]:
+        if n:
+            self._full = True
         if self.on_arc:
             decided, self._decided = self._decided, None
             if decided is None or not decided.issuperset(incoming):

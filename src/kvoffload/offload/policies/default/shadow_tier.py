@@ -88,6 +88,20 @@ class ShadowTier:
     def __len__(self) -> int:
         return len(self.arc) if self.arc is not None else len(self.lru) + len(self.rejects)
 
+    def resize(self, capacity: int) -> None:
+        """Hold at most ``capacity`` keys from now on; the excess goes as the arm evicts
+        (rejects first, then the least recent kept keys; ARC by its rule)."""
+        self.capacity = capacity
+        if self.arc is not None:
+            self.arc.resize(capacity)
+            return
+        lru, rejects = self.lru, self.rejects
+        over = len(lru) + len(rejects) - capacity
+        if over > 0:
+            r = min(over, len(rejects))
+            _consume(starmap(rejects.popitem, repeat(_OLDEST, r)))
+            _consume(starmap(lru.popitem, repeat(_OLDEST, over - r)))
+
     def refresh(self, keys: Sequence[OffloadKey]) -> None:
         """Make those of ``keys`` (head first) still kept the most recent, head newest."""
         lru = self.lru

@@ -1,0 +1,116 @@
+"""The default policy ranking chunk units (hybrid models): what its shadows see and model.
+
+Under ``chunk_units`` the default ranks one key per chunk (the block hash
+without its group index) and each such unit holds one to one-per-group
+slots. Its shadows must sample those keys 1 in ``rate`` (issue 41: they took
+every unit of integer-derived ids) and model the tier's size in units, not
+in slots (issue 41: a 4-group tier looked up to 1.7 times as large).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvoffload.offload import CPUOffloadingManager, OffloadKey, make_offload_key
+from kvoffload.offload.chunk_units import GroupLayout
+from kvoffload.offload.policies.default.arms import sampled
+from kvoffload.offload.policies.default.policy_duel import PolicyDuel
+from kvoffload.offload.policies.default.shadow_tier import ALL, ARC, BIP, SECOND, ShadowTier
+
+
+def _unit(i: int) -> OffloadKey:
+    """A chunk unit as ``chunk_units`` hands it on: a block hash (here an 8-byte id)."""
+    return OffloadKey(i.to_bytes(8, "big"))
+
+
+def test_units_of_integer_ids_are_sampled_one_in_rate() -> None:
+    units = [_unit(i) for i in range(4096)]
+    assert len(sampled(units, 15)) == 4096 // 16
+
+
+def test_one_group_keys_are_sampled_by_the_hash_last_byte_as_before() -> None:
+    keys = [make_offload_key(i.to_bytes(8, "big")) for i in range(4096)]
+    assert sampled(keys, 15) == [k for k in keys if k[-5] & 15 == 0]
+    assert sampled(keys, 0) is keys
+
+
+def test_the_shadows_of_a_unit_tier_see_one_unit_in_rate() -> None:
+    policy = PolicyDuel(8192)
+    duel = policy.lru
+    assert duel.rate == 16
+    policy.access([])  # nothing resident yet: reads are shown through admit
+    policy.admit([_unit(i) for i in range(2048)])
+    shadow = duel.tiers[ALL]
+    assert len(shadow.lru) == 2048 // 16
+
+
+def _full_groups(n: int) -> tuple[GroupLayout, ...]:
+    return tuple(GroupLayout(tokens_per_chunk=16) for _ in range(n))
+
+
+def _store_chain(m: CPUOffloadingManager, first: int, chunks: int, groups: int) -> None:
+    keys = [
+        make_offload_key(c.to_bytes(8, "big"), g)
+        for g in range(groups)
+        for c in range(first, first + chunks)
+    ]
+    flags = m.admit(keys)
+    if flags is not None:
+        keys = [k for k, f in zip(keys, flags) if f]
+    out = m.prepare_store(keys)
+    if out is not None and out.keys_to_store:
+        m.complete_store(out.keys_to_store)
+
+
+def _duel(m: CPUOffloadingManager) -> PolicyDuel:
+    policy = m.policy
+    while not isinstance(policy, PolicyDuel):
+        policy = policy.inner  # type: ignore[attr-defined]
+    return policy
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_shadows_model_the_tier_in_units(groups: int) -> None:
+    slots = 8192
+    m = CPUOffloadingManager(slots, group_layout=_full_groups(groups))
+    duel = _duel(m)
+    rate = duel.lru.rate
+    for r in range(120):
+        _store_chain(m, 1000 * r, 64, groups)
+    units = slots // groups  # every chunk holds one slot per group
+    for tier in duel.lru.tiers:
+        assert abs(tier.capacity - units // rate) * 16 <= units // rate
+    if groups == 1:
+        assert all(t.capacity == slots // rate for t in duel.lru.tiers)  # as before
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    mode=st.sampled_from([ALL, SECOND, BIP, ARC]),
+    seed=st.integers(0, 10_000),
+    sizes=st.lists(st.integers(1, 12), min_size=1, max_size=4),
+)
+def test_a_resized_shadow_holds_at_most_its_capacity(
+    mode: int, seed: int, sizes: list[int]
+) -> None:
+    rnd = random.Random(seed)
+    tier = ShadowTier(8, mode, 16, 4)
+    universe = [_unit(i) for i in range(40)]
+    for size in sizes:
+        for _ in range(30):
+            if rnd.random() < 0.3:
+                tier.broken = False
+            tier.step(rnd.sample(universe, rnd.randint(1, 6)))
+            assert len(tier) <= tier.capacity
+        tier.resize(size)
+        assert tier.capacity == size and len(tier) <= size
+        if tier.arc is not None:
+            arc = tier.arc
+            assert arc.n1 == len(arc.t1) and arc.n2 == len(arc.t2)
+            assert 0.0 <= arc.p <= size
+            assert len(arc.t1) + len(arc.b1) <= size
+            assert len(arc.t1) + len(arc.t2) + len(arc.b1) + len(arc.b2) <= 2 * size
