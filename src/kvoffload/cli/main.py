@@ -133,6 +133,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     """
     types: list[type[BaseException]] = [ValueError, OSError, MemoryError, LookupError]
     for module, name in (
+        ("kvoffload.bench.plots", "PlotsUnavailable"),
         ("kvoffload.tiers.disk.store", "DiskStoreError"),
         ("kvoffload.tiers.redis.store", "RedisStoreError"),
         ("kvoffload.tiers.tiered_handler", "JobRejected"),

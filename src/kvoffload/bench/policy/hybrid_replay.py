@@ -43,6 +43,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvoffload.bench.policy.hybrid_windows import (
+    DENSE,
+    Junctions,
+    StoreRule,
+    hit_chunks,
+    learn_junction,
+    store_keys,
+)
 from kvoffload.bench.policy.mooncake import full_blocks, read_mooncake_trace
 from kvoffload.offload import DEFAULT_CACHE_POLICY, CPUOffloadingManager, OffloadKey
 from kvoffload.offload.base import make_offload_key
@@ -231,46 +239,7 @@ class _Vllm(_Side):
             self.ops += len(out.keys_to_store)
 
 
-# -- vLLM's per-group hit, load and store -------------------------------------------------
-
-
-def _window_lookup(side: _Side, keys: Sequence[OffloadKey], window: int) -> int:
-    """End (in chunks) of the last run of ``window`` stored keys, scanning from the right."""
-    run = 0
-    for idx in range(len(keys) - 1, -1, -1):
-        if side.has(keys[idx]):
-            run += 1
-            if run == window:
-                return idx + window
-        else:
-            run = 0
-    return run  # a run from the chain's head needs no full window
-
-
-def hit_chunks(
-    side: _Side, keys: list[list[OffloadKey]], windows: list[int | None], max_chunks: int
-) -> int:
-    """vLLM's fixed point: full groups bound the hit, windowed groups (widest first) cut it."""
-    full = [g for g, w in enumerate(windows) if w is None]
-    windowed = sorted(
-        (g for g, w in enumerate(windows) if w is not None), key=lambda g: -windows[g]
-    )  # type: ignore[operator]
-    m = max_chunks
-    for g in full:
-        if m <= 0:
-            return 0
-        m = min(m, side.prefix(keys[g][:m]))
-    while m > 0:
-        cut = False
-        for g in windowed:
-            h = _window_lookup(side, keys[g][:m], windows[g])  # type: ignore[arg-type]
-            if h == 0:
-                return 0
-            if h < m:
-                m, cut = h, True
-        if not cut:
-            return m
-    return 0
+# -- vLLM's per-group load and store (its hit: ``hybrid_windows.hit_chunks``) ------------
 
 
 @dataclass
@@ -301,8 +270,12 @@ def replay(
     row: str,
     prompts: Sequence[Sequence[int]],
     layout: tuple[GroupLayout, ...],
+    rule: StoreRule = DENSE,
 ) -> RowResult:
-    """Every prompt through vLLM's per-group logic on ``side``; hit tokens and key ops."""
+    """Every prompt through vLLM's per-group logic on ``side``; hit tokens and key ops.
+
+    ``rule``: which windowed-group chunks a store offers (``hybrid_windows``; the default,
+    every chunk, is what this table has always measured)."""
     t = layout[0].tokens_per_chunk
     windows = [None if g.sliding_window is None else _cdiv(g.sliding_window, t) for g in layout]
     has_window = any(w is not None for w in windows)
@@ -317,12 +290,18 @@ def replay(
 
     streams = [[[key(c, g) for c in p] for g in range(ngroups)] for p in prompts]
     result = RowResult(row)
+    junctions = Junctions()
+    learn = rule.junctions and has_window
+    seen: list[int] = []
     start = time.perf_counter()
-    for keys in streams:
+    for prompt, keys in zip(prompts, streams):
         n = len(keys[0])
         side.begin([k for ks in keys for k in ks], t, ngroups)
         max_chunks = (n * t - 1) // t if has_window else n
-        h = hit_chunks(side, keys, windows, max_chunks) if n else 0
+        seen.clear()
+        h = hit_chunks(side, keys, windows, max_chunks, seen) if n else 0
+        if learn and seen:
+            learn_junction(prompt[:max_chunks], seen[0], junctions)
         if h:
             side.load(
                 [
@@ -332,7 +311,7 @@ def replay(
                 ]
             )
         if h < n:
-            side.store([k for g in range(ngroups) for k in keys[g][h:]])
+            side.store(store_keys(rule, keys, windows, prompt, h, t, junctions))
         side.end()
         result.hit_tokens += h * t
         result.tokens += n * t

@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+from kvoffload.bench import plots
 from kvoffload.bench.policy import vllm_replay as offload_vllm
 from kvoffload.bench.policy.traces import (
     KINDS,
@@ -488,6 +489,8 @@ def run(args: argparse.Namespace) -> int:
     )
     if not policies:
         raise ValueError("--policies is empty")
+    if args.out:
+        plots.require("kvoffload bench offload --out")
     name, trace, times = _trace_from_args(args)
     caps = _capacities(args)
     look = args.lookahead_s

@@ -8,6 +8,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from kvoffload.bench import plots
+
 
 def _rows(report: dict[str, Any]) -> tuple[list[str], list[str], dict[str, dict[str, Any]]]:
     """(capacity labels, row names in first-seen order, name -> label -> row)."""
@@ -173,10 +175,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot("kvoffload bench offload --out")
 
     labels, names, by = _rows(report)
     caps = report["capacities"]

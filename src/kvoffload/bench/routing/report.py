@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvoffload.bench import plots
 from kvoffload.bench.routing.routed_run import RunResult
 
 BASELINE = "round_robin"
@@ -70,10 +71,7 @@ def print_table(results: Sequence[RunResult], title: str) -> None:
 
 def plot(results: Sequence[RunResult], path: str | Path) -> Path:
     """Bars per (workload, N): prefill tokens computed and TTFT p50, one bar per router."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot("kvoffload bench route")
 
     groups = sorted({(r.workload, r.instances) for r in results})
     routers = list(dict.fromkeys(r.router for r in results))

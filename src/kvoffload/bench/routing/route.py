@@ -25,6 +25,7 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (engine_args does too)
 
+from kvoffload.bench import plots
 from kvoffload.bench.routing.routers import ROUTERS
 from kvoffload.bench.routing.workloads import DEFAULT_MOONCAKE_TRACE, WORKLOADS
 from kvoffload.cli import argtypes
@@ -107,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
     from kvoffload.engine.config import EngineConfig
     from kvoffload.engine.model_runner import peek_vocab_size
 
+    if args.plot:
+        plots.require("kvoffload bench route")
     base = EngineConfig(
         seed=args.seed,
         block_size=args.block_size,

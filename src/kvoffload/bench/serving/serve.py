@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvoffload.bench import plots
 from kvoffload.cli import argtypes
 from kvoffload.cli.engine_args import add_engine_arguments
 
@@ -244,10 +245,7 @@ def narrow_table(summaries: list[Any]) -> list[str]:
 
 
 def write_plot(summaries: list[Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = plots.pyplot("kvoffload bench serve")
 
     labels = [s.label for s in summaries]
     x = range(len(labels))
@@ -274,6 +272,7 @@ def write_plot(summaries: list[Any], path: Path) -> None:
 
 
 def run_model(args: argparse.Namespace) -> int:
+    plots.require("kvoffload bench serve")
     from kvoffload.cli.engine_args import engine_config_from_args
     from kvoffload.engine.demo.serving import demo_workload, serve
     from kvoffload.engine.model_runner import peek_vocab_size
