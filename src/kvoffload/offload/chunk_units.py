@@ -46,70 +46,33 @@ Every operation costs O(keys of the call) plus O(reach) per boundary
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from itertools import islice
 from typing import cast
 
 from kvoffload.offload.base import OffloadKey
+from kvoffload.offload.chunk_chains import SUFFIX_BYTES as _SUFFIX
+from kvoffload.offload.chunk_chains import ChunkChains
+from kvoffload.offload.group_layout import (
+    CHUNKED_LOCAL,
+    FULL_ATTENTION,
+    GROUP_KINDS,
+    MAMBA,
+    SLIDING_WINDOW,
+    GroupLayout,
+    uses_chunk_units,
+)
 from kvoffload.offload.policies import CachePolicy
 
-FULL_ATTENTION = "full_attention"
-SLIDING_WINDOW = "sliding_window"
-CHUNKED_LOCAL = "chunked_local"
-MAMBA = "mamba"
-GROUP_KINDS = (FULL_ATTENTION, SLIDING_WINDOW, CHUNKED_LOCAL, MAMBA)
-
-_SUFFIX = 4  # bytes of the group index at the end of an OffloadKey
-
-
-@dataclass(frozen=True, slots=True)
-class GroupLayout:
-    """What the tier must know of one KV cache group to keep its useful keys.
-
-    ``kind``: one of ``GROUP_KINDS`` (MLA, EAGLE / MTP drafter groups and other
-    groups that need every chunk of a prefix are ``full_attention``);
-    ``sliding_window``: the window in tokens (sliding window) or the attention
-    chunk in tokens (chunked local attention), None otherwise;
-    ``tokens_per_chunk``: tokens per offloaded chunk (one key) of this group;
-    ``slot_bytes``: bytes one key of this group occupies in the tier (reported,
-    not used for decisions).
-    """
-
-    kind: str = FULL_ATTENTION
-    sliding_window: int | None = None
-    tokens_per_chunk: int = 16
-    slot_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        if self.kind not in GROUP_KINDS:
-            raise ValueError(f"unknown KV cache group kind {self.kind!r}; known: {GROUP_KINDS}")
-        if self.tokens_per_chunk < 1:
-            raise ValueError(f"tokens_per_chunk must be positive, got {self.tokens_per_chunk}")
-        windowed = self.kind in (SLIDING_WINDOW, CHUNKED_LOCAL)
-        if windowed and (self.sliding_window is None or self.sliding_window < 1):
-            raise ValueError(f"a {self.kind} group needs a positive sliding_window")
-
-    @property
-    def reach_chunks(self) -> int | None:
-        """How many chunks before a hit boundary a hit needs of this group; None: all.
-
-        Hits end on chunk boundaries (an engine recomputes at most the last
-        prompt token, inside the last hit chunk), so a sliding window of W
-        tokens needs ``ceil(W / T)`` chunks before the boundary, chunked local
-        attention at most one attention chunk, ``ceil(C / T)`` (vLLM 0.33's
-        ``sliding_window_size_in_chunks`` and its load window for those hits),
-        and a Mamba group only the state at the boundary.
-        """
-        if self.kind == MAMBA:
-            return 1
-        if self.sliding_window is None:
-            return None
-        return -(-self.sliding_window // self.tokens_per_chunk)
-
-
-def uses_chunk_units(layout: Sequence[GroupLayout] | None) -> bool:
-    """Whether a tier with ``layout`` needs the unit layer (two groups or more)."""
-    return layout is not None and len(layout) > 1
+__all__ = [
+    "CHUNKED_LOCAL",
+    "FULL_ATTENTION",
+    "GROUP_KINDS",
+    "MAMBA",
+    "SLIDING_WINDOW",
+    "ChunkUnitPolicy",
+    "GroupLayout",
+    "uses_chunk_units",
+]
 
 
 class ChunkUnitPolicy(CachePolicy):
@@ -118,7 +81,9 @@ class ChunkUnitPolicy(CachePolicy):
     Used by ``CPUOffloadingManager`` when it holds several groups: the manager
     calls ``make_room`` instead of ``evict`` and ``abandon`` for a failed
     store, and the ``CachePolicy`` methods otherwise. ``len`` and
-    ``num_evictable`` count keys (slots), not units.
+    ``num_evictable`` count keys (slots), not units. Units are kept as bytes
+    and handed to ``inner`` as its keys with a cast (``OffloadKey`` is a
+    NewType of bytes: no copy, no call per unit).
     """
 
     name = "chunk_units"
@@ -127,19 +92,13 @@ class ChunkUnitPolicy(CachePolicy):
         super().__init__(inner.capacity)
         self.inner = inner
         self.layout = tuple(layout)
-        # Windowed groups by key suffix: how many chunks before a boundary they must keep.
-        self._reach: dict[bytes, int] = {}
-        full: list[bytes] = []
-        for idx, group in enumerate(self.layout):
-            suffix = idx.to_bytes(_SUFFIX, "big")
-            reach = group.reach_chunks
-            if reach is None:
-                full.append(suffix)
-            else:
-                self._reach[suffix] = reach
-        # Chain links come from the groups whose keys cover every chunk.
-        self._link_suffixes = frozenset(full) if full else None
-        self._max_reach = max(self._reach.values(), default=0)
+        chains = self._chains = ChunkChains(self.layout)
+        # Aliases (the chains never rebind them): the hot paths read them as locals.
+        self._reach = chains.reach
+        self._link_suffixes = chains.link_suffixes
+        self._max_reach = chains.max_reach
+        self._prev = chains.prev
+        self._boundary = chains.boundary
         cls = type(inner)
         self._inner_hints = cls.hint_parent is not CachePolicy.hint_parent
         self._inner_admits = cls.admit is not CachePolicy.admit
@@ -154,8 +113,7 @@ class ChunkUnitPolicy(CachePolicy):
         self._dead: dict[OffloadKey, None] = {}  # dead, not pinned; oldest first
         self._dead_pinned: set[OffloadKey] = set()
         self._idle = 0  # held keys of resident units that are not busy
-        self._prev: dict[bytes, bytes] = {}  # unit -> the unit before it in its chain
-        self._boundary: set[bytes] = set()  # units a hit boundary follows
+        self._chains.clear()
         self._units_max = max(len(self.layout), 1)  # most stored keys one unit can hold
 
     def clear(self) -> None:
@@ -198,7 +156,7 @@ class ChunkUnitPolicy(CachePolicy):
             if b == 0 and unit in nheld:
                 to_pin.append(unit)
         if to_pin:
-            self.inner.pin(to_pin)
+            self.inner.pin(cast("list[OffloadKey]", to_pin))
             self._idle -= sum(map(nheld.__getitem__, to_pin))
 
     def _busy_down_all(self, keys: Sequence[OffloadKey]) -> None:
@@ -215,7 +173,7 @@ class ChunkUnitPolicy(CachePolicy):
                 if unit in nheld:
                     to_unpin.append(unit)
         if to_unpin:
-            self.inner.unpin(to_unpin)
+            self.inner.unpin(cast("list[OffloadKey]", to_unpin))
             self._idle += sum(map(nheld.__getitem__, to_unpin))
 
     # -- held / dead -------------------------------------------------------------
@@ -232,10 +190,10 @@ class ChunkUnitPolicy(CachePolicy):
 
     def _enter_inner(self, units: list[bytes]) -> None:
         """Units that just became resident: insert (chain order), then pin the busy ones."""
-        self.inner.insert(units)
+        self.inner.insert(cast("list[OffloadKey]", units))
         busy = [u for u in units if u in self._busy]
         if busy:
-            self.inner.pin(busy)
+            self.inner.pin(cast("list[OffloadKey]", busy))
         nheld = self._nheld
         self._idle += sum(nheld[u] for u in units if u not in self._busy)
 
@@ -265,10 +223,6 @@ class ChunkUnitPolicy(CachePolicy):
                 return
             unit = nxt
 
-    def _forget_unit(self, unit: bytes) -> None:
-        self._prev.pop(unit, None)
-        self._boundary.discard(unit)
-
     def _drop_dead(self, keys: list[OffloadKey]) -> None:
         """Evict these dead keys (already out of ``_dead``), in order; a unit left with no
         stored key and not busy is forgotten."""
@@ -297,7 +251,7 @@ class ChunkUnitPolicy(CachePolicy):
             done = [k for k in keys if k in pending]
             pending.difference_update(done)
             self._busy_down_all(done)
-        live = self._classify(keys)
+        live = self._chains.classify(keys)
         fresh: dict[bytes, None] = {}
         stored, members, dead = self._stored, self._members, self._dead
         stored.update(keys)
@@ -319,47 +273,6 @@ class ChunkUnitPolicy(CachePolicy):
         if fresh:
             self._enter_inner(list(fresh))
 
-    def _classify(self, keys: Sequence[OffloadKey]) -> list[bool]:
-        """Per key: held (True) or dead. Also learns chain links and run-end boundaries.
-
-        Keys of one call come as runs of one group's keys in chain order (a
-        request's chunks; vLLM's stores list group after group). A run's end
-        is a boundary (a prompt ends there); a windowed key is live when a
-        boundary follows its chunk within its group's reach.
-        """
-        n = len(keys)
-        live = [True] * n
-        if not self._reach and self._link_suffixes is None:
-            return live
-        link, reach, prev, boundary = self._link_suffixes, self._reach, self._prev, self._boundary
-        i = 0
-        while i < n:
-            suffix = keys[i][-_SUFFIX:]
-            j = i + 1
-            while j < n and keys[j][-_SUFFIX:] == suffix:
-                j += 1
-            if link is None or suffix in link:
-                for a, b in zip(keys[i : j - 1], keys[i + 1 : j]):
-                    ua, ub = a[:-_SUFFIX], b[:-_SUFFIX]
-                    if ua != ub:
-                        prev[ub] = ua
-            r = reach.get(suffix)
-            if r is not None:
-                # A prompt ends here: a later turn hits at its end, the same prompt again one
-                # chunk earlier when its length is a whole number of chunks (the last token is
-                # recomputed). Both are boundaries.
-                boundary.add(keys[j - 1][:-_SUFFIX])
-                if j - 2 >= i:
-                    boundary.add(keys[j - 2][:-_SUFFIX])
-                since = 0
-                for k in range(j - 1, i - 1, -1):
-                    if keys[k][:-_SUFFIX] in boundary:
-                        since = 0
-                    live[k] = since < r
-                    since += 1
-            i = j
-        return live
-
     def access(self, keys: Sequence[OffloadKey]) -> None:
         """A hit used ``keys``: dead ones among them are held again; their units are used."""
         if self._dead or self._dead_pinned:
@@ -367,7 +280,7 @@ class ChunkUnitPolicy(CachePolicy):
                 self._revive(key)
         units = [u for u in dict.fromkeys(k[:-_SUFFIX] for k in keys) if u in self._nheld]
         if units:
-            self.inner.access(units)
+            self.inner.access(cast("list[OffloadKey]", units))
 
     def pin(self, keys: Sequence[OffloadKey]) -> None:
         dead = self._dead
@@ -428,7 +341,7 @@ class ChunkUnitPolicy(CachePolicy):
         else:
             victims = self._evict(need, units_new) if need > 0 else []
             if need <= 0 and new:
-                self.inner.evict(0, units_new)
+                self.inner.evict(0, cast("list[OffloadKey]", units_new))
         self._busy_down_all(kept)
         for key in set_aside:
             self._dead[key] = None
@@ -460,7 +373,7 @@ class ChunkUnitPolicy(CachePolicy):
             # thousands of units. ``dead`` is empty here (the loop above drained it
             # before any unit goes), so no key of these units is dead.
             dropped_held = 0
-            for unit in self.inner.evict(k, incoming):
+            for unit in self.inner.evict(k, cast("Sequence[OffloadKey]", incoming)):
                 keys = members.pop(unit)
                 dropped_held += nheld.pop(unit)
                 stored.difference_update(keys)
@@ -471,7 +384,7 @@ class ChunkUnitPolicy(CachePolicy):
             self._idle -= dropped_held
             incoming, told = (), True
         if not told:
-            self.inner.evict(0, units_new)
+            self.inner.evict(0, cast("list[OffloadKey]", units_new))
         return victims
 
     def abandon(self, keys: Iterable[OffloadKey]) -> None:
@@ -484,7 +397,7 @@ class ChunkUnitPolicy(CachePolicy):
         for key in done:
             unit = key[:-_SUFFIX]
             if unit not in members and unit not in busy:
-                self._forget_unit(unit)
+                self._chains.forget(unit)
 
     def _hint_continuations(self, offered: Sequence[OffloadKey]) -> None:
         """New keys that continue stored ones: the chain diverges or goes on there."""
@@ -504,14 +417,12 @@ class ChunkUnitPolicy(CachePolicy):
             return
         known = unit in self._members
         if known and (child_unit in self._members or child_unit in self._busy):
-            link = self._link_suffixes
-            if link is None or parent[-_SUFFIX:] in link:
-                self._prev[child_unit] = unit
+            self._chains.link(child_unit, unit, parent[-_SUFFIX:])
         if known and self._reach:
             self._boundary.add(unit)
             self._mark_back(unit, self._max_reach)
         if self._inner_hints and unit in self._nheld:
-            self.inner.hint_parent(child_unit, unit)  # type: ignore[arg-type]
+            self.inner.hint_parent(cast(OffloadKey, child_unit), cast(OffloadKey, unit))
 
     def _units(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
         # OffloadKey is a NewType: a cast, not one call per unit.
@@ -528,18 +439,9 @@ class ChunkUnitPolicy(CachePolicy):
         self.inner.hint_queued(request_id, self._units(keys))
 
     def _mark_queued_boundary(self, keys: Sequence[OffloadKey]) -> None:
-        link, stored = self._link_suffixes, self._stored
-        last: OffloadKey | None = None
-        for key in keys:
-            if link is not None and key[-_SUFFIX:] not in link:
-                continue
-            if key not in stored:
-                break
-            last = key
-        if last is not None:
+        unit = self._chains.queued_boundary(keys, self._stored)
+        if unit is not None:
             # The whole chain may be stored: the hit then stops one chunk earlier too.
-            unit = last[:-_SUFFIX]
-            self._boundary.add(unit)
             self._mark_back(unit, self._max_reach + 1)
 
     def hint_dequeued(self, request_id: str) -> None:
