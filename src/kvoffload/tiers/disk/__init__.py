@@ -1,10 +1,13 @@
 """The disk tier: a bounded slab store with a crash-safe index, its manager and its handler.
 
 ``store`` keeps blocks in slab files under one directory (checksummed, keyed
-by the tier fingerprint); ``index`` is the append-only index log; ``slabs``
-the slab files; ``manager`` the scheduler-side bookkeeping (which key is in
-which slot, eviction, events); ``handler`` moves bytes between CPU slots and
-the store on the worker side.
+by the tier fingerprint): the write / read protocol over ``slabs`` (the slab
+files), ``catalog`` (which key is in which slot, in memory) and ``index``
+(the append-only log that makes it survive a restart); ``manifest`` checks
+that a directory was written for this model and geometry, and locks it;
+``manager`` is the scheduler-side bookkeeping (which key is in which slot,
+eviction, events); ``handler`` moves bytes between CPU slots and the store
+on the worker side.
 """
 
 from kvoffload.tiers.disk.handler import DiskTransferHandler

@@ -31,14 +31,13 @@ I/O runs with O_DIRECT when the filesystem accepts it (probed at open) and
 buffered otherwise; runs of consecutive slots are coalesced into one
 ``preadv``/``pwritev`` and spread over a thread pool (both release the GIL).
 The slab files are ``slabs.SlabFiles``; the index log's format is
-``index``; this module keeps the manifest, the in-memory index and the
-write/read protocol between them.
+``index``, the in-memory index over it ``catalog``; the manifest and the
+lock are ``manifest``'s; this module keeps the write/read protocol between
+them.
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
 import logging
 import os
 import threading
@@ -51,15 +50,14 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from kvoffload.tiers.alarm import FailingAlarm
-from kvoffload.tiers.disk.index import (
-    MAX_KEY_BYTES,
-    DiskEntry,
-    IndexLog,
-    del_record,
-    fsync_dir,
-    is_no_space,
-    put_record,
+from kvoffload.tiers.disk.catalog import INDEX_NAME, DiskCatalog, why_failed, write_alarm
+from kvoffload.tiers.disk.index import MAX_KEY_BYTES, DiskEntry, IndexLog
+from kvoffload.tiers.disk.manifest import (
+    MANIFEST_NAME,
+    check_manifest,
+    claim_directory,
+    manifest_of,
+    write_manifest,
 )
 from kvoffload.tiers.disk.slabs import (
     ALIGN,
@@ -68,17 +66,9 @@ from kvoffload.tiers.disk.slabs import (
     SlabFiles,
     round_up,
 )
-from kvoffload.tiers.identity import fingerprint_diff
 from kvoffload.transfer.block_buffers import BlockBuffers, as_block_views
 
 logger = logging.getLogger(__name__)
-
-FORMAT_NAME = "kvoffload-disk-tier"
-FORMAT_VERSION = 2
-CHECKSUM_NAME = "xxh3_64"
-MANIFEST_NAME = "manifest.json"
-INDEX_NAME = "index.log"
-LOCK_NAME = ".lock"
 
 # Batches below this many bytes run on the calling thread (pool overhead dominates).
 _INLINE_BYTES = 1 << 20
@@ -107,28 +97,6 @@ class DiskStoreStats:
     misses: int = 0
     corrupt_blocks: int = 0
     truncated_blocks: int = 0
-
-
-def _write_alarm(directory: Path) -> FailingAlarm:
-    """The disk tier's alarm: one warning when writes start failing, one when they work again.
-
-    Callers hold the store's lock.
-    """
-    return FailingAlarm(
-        logger,
-        ("blocks", "records"),
-        failing="disk tier {directory}: {why} ({err}); disk-tier writes are skipped and "
-        "counted until they succeed again ({blocks} blocks, {records} index records so far)",
-        recovered="disk tier {directory}: writes succeed again ({blocks} block writes and "
-        "{records} index records failed meanwhile)",
-        closed="disk tier {directory}: closed while writes were failing ({blocks} block writes "
-        "and {records} index records failed since the first failure)",
-        directory=directory,
-    )
-
-
-def _why(err: BaseException) -> str:
-    return "the filesystem is full" if is_no_space(err) else "writes fail"
 
 
 class DiskBlockStore:
@@ -187,13 +155,9 @@ class DiskBlockStore:
         self.durable = durable
         self.stats = DiskStoreStats()
         self._lock = threading.Lock()
-        self._by_slot: dict[int, DiskEntry] = {}
-        self._by_key: dict[bytes, DiskEntry] = {}
-        self._next_seq = 1
         self._lock_fd = -1
-        self._index: IndexLog | None = None
-        self._alarm = _write_alarm(self.directory)
-        self._compact_at = 0
+        self._open_catalog: DiskCatalog | None = None
+        self._alarm = write_alarm(self.directory)
         self._slabs = SlabFiles(self.directory, block_bytes, capacity_blocks, self.blocks_per_file)
         self._closed = False
         try:
@@ -211,222 +175,78 @@ class DiskBlockStore:
     # -- opening ------------------------------------------------------------
 
     def _manifest(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
-            "checksum": CHECKSUM_NAME,
-            "geometry_fingerprint": self.geometry_fingerprint,
-            "hash_fn": self.hash_fn,
-            "block_bytes": self.block_bytes,
-            "slot_bytes": self.slot_bytes,
-            "capacity_blocks": self.capacity_blocks,
-            "blocks_per_file": self.blocks_per_file,
-        }
+        return manifest_of(
+            self.geometry_fingerprint,
+            self.hash_fn,
+            self.block_bytes,
+            self.slot_bytes,
+            self.capacity_blocks,
+            self.blocks_per_file,
+        )
 
     def _open(self, direct_io: bool | None) -> None:
         d = self.directory
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-        except FileExistsError:
-            raise DiskStoreError(f"disk tier path {d} exists and is not a directory") from None
-        except OSError as e:
-            raise DiskStoreError(f"cannot create disk tier directory {d}: {e.strerror or e}") from e
-        if not d.is_dir():
-            raise DiskStoreError(f"disk tier path {d} exists and is not a directory")
-        try:
-            self._lock_fd = os.open(d / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise DiskStoreError(
-                f"disk tier directory {d} is not writable: {e.strerror or e}"
-            ) from e
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise DiskStoreError(f"disk tier directory {d} is in use by another process") from None
-        manifest_path = d / MANIFEST_NAME
-        fresh = not manifest_path.exists()
+        self._lock_fd = claim_directory(d)
+        fresh = not (d / MANIFEST_NAME).exists()
         if not fresh:
-            self._check_manifest(manifest_path)
+            check_manifest(d, self._manifest())
         try:
             if fresh:
                 self._slabs.check_free_space()
             self._slabs.open(direct_io, fresh)
-            self._index = IndexLog(d / INDEX_NAME, self.durable)
+            log = IndexLog(d / INDEX_NAME, self.durable)
+            self._open_catalog = DiskCatalog(d, log, self.capacity_blocks, self.stats, self._alarm)
             if fresh:
-                if not self._index.rewrite([]):
-                    raise self._index.last_error or OSError("index rewrite failed")
-                self._write_manifest(manifest_path)
+                if not log.rewrite([]):
+                    raise log.last_error or OSError("index rewrite failed")
+                write_manifest(d, self._manifest())
             else:
-                self._load_index()
+                self._open_catalog.load(self.blocks_per_file, self._slabs.truncated_from)
         except OSError as e:
             raise DiskStoreError(f"disk tier directory {d} is not usable: {e}") from e
 
-    def _check_manifest(self, path: Path) -> None:
-        try:
-            have = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise DiskStoreMismatchError(
-                f"disk tier directory {self.directory} has an unreadable manifest ({e}); "
-                f"delete the directory or use another one"
-            ) from e
-        want = self._manifest()
-        if not isinstance(have, dict) or have.get("format") != FORMAT_NAME:
-            raise DiskStoreMismatchError(
-                f"{path} is not a kvoffload disk tier manifest; use another directory"
-            )
-        diffs: list[str] = []
-        for k, v in want.items():
-            if have.get(k) == v:
-                continue
-            old = have.get(k)
-            if k == "geometry_fingerprint" and isinstance(old, str):
-                diffs += fingerprint_diff(old, v)
-            else:
-                diffs.append(f"{k}: {old!r} vs {v!r}")
-        if diffs:
-            raise DiskStoreMismatchError(
-                f"disk tier directory {self.directory} holds blocks of another model or "
-                f"configuration (directory vs this engine: {'; '.join(diffs)}); "
-                f"use another directory or delete it"
-            )
-
-    def _write_manifest(self, path: Path) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self._manifest(), indent=2, sort_keys=True) + "\n")
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        fsync_dir(self.directory)
-
-    def _load_index(self) -> None:
-        assert self._index is not None
-        entries, bad = self._index.replay()
-        dropped = 0
-        for slot in list(entries):
-            f, local = divmod(slot, self.blocks_per_file)
-            if slot >= self.capacity_blocks or local >= self._slabs.truncated_from.get(f, 1 << 62):
-                del entries[slot]
-                dropped += 1
-        by_key: dict[bytes, DiskEntry] = {}
-        for e in sorted(entries.values(), key=lambda e: e.seq):
-            old = by_key.get(e.key)
-            if old is not None:
-                # A key rewritten to another slot: the newest write wins.
-                del entries[old.slot]
-            by_key[e.key] = e
-        self._by_slot = entries
-        self._by_key = by_key
-        self._next_seq = max((e.seq for e in entries.values()), default=0) + 1
-        if bad or dropped:
-            logger.warning(
-                "disk tier %s: skipped %d damaged index records, dropped %d entries of "
-                "truncated slabs",
-                self.directory,
-                bad,
-                dropped,
-            )
-        if bad or dropped or self._index.num_records > 2 * len(entries) + 1024:
-            # Compaction is an optimisation: on a full filesystem the log is kept as it is.
-            self._compact(entries.values(), at_open=True)
+    @property
+    def _catalog(self) -> DiskCatalog:
+        assert self._open_catalog is not None, "the store is not open"
+        return self._open_catalog
 
     # -- index --------------------------------------------------------------
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._by_key)
+            return len(self._catalog.by_key)
 
     def entries(self) -> list[DiskEntry]:
         """Every stored block, oldest write first (the order to rebuild recency in)."""
         with self._lock:
-            return sorted(self._by_key.values(), key=lambda e: e.seq)
+            return sorted(self._catalog.by_key.values(), key=lambda e: e.seq)
 
     def contains(self, key: bytes, slot: int | None = None) -> bool:
         with self._lock:
-            e = self._by_key.get(bytes(key))
+            e = self._catalog.by_key.get(bytes(key))
         return e is not None and (slot is None or e.slot == slot)
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
-            return [bytes(k) in self._by_key for k in keys]
+            by_key = self._catalog.by_key
+            return [bytes(k) in by_key for k in keys]
 
     def slot_of(self, key: bytes) -> int | None:
         with self._lock:
-            e = self._by_key.get(bytes(key))
+            e = self._catalog.by_key.get(bytes(key))
         return None if e is None else e.slot
 
     def remove(self, keys: Iterable[bytes]) -> int:
         """Forget ``keys`` (their slots become free to overwrite); returns how many were known."""
         with self._lock:
-            records = []
-            for k in keys:
-                e = self._by_key.pop(bytes(k), None)
-                if e is not None:
-                    del self._by_slot[e.slot]
-                    records.append(del_record(e.slot))
-            self._append(records)
+            records = self._catalog.forget(bytes(k) for k in keys)
+            self._catalog.append(records)
             return len(records)
 
     def clear(self) -> None:
         """Forget every block (the slabs keep their bytes; nothing is reachable any more)."""
         with self._lock:
-            self._by_key.clear()
-            self._by_slot.clear()
-            assert self._index is not None
-            self._index.truncate()  # needs no free space, unlike a rewrite
-
-    def _append(self, records: list[bytes], healthy: bool = True) -> bool:
-        """Append index records; the caller holds ``_lock``. False when refused (counted).
-
-        ``healthy``: whether a success means writes work again (False when the
-        caller's own block writes failed or are still to come).
-
-        A refused DEL leaves an older PUT in the log for a slot about to be
-        overwritten; after a restart that entry fails its checksum (the slot
-        holds other bytes) and is dropped, so it is never served.
-        """
-        index = self._index
-        assert index is not None
-        if not records:
-            return True
-        if not index.append(records):
-            self.stats.index_errors += len(records)
-            assert index.last_error is not None
-            self._alarm.failed(index.last_error, why=_why(index.last_error), records=len(records))
-            return False
-        if healthy:
-            self._alarm.succeeded()
-        threshold = 2 * len(self._by_slot) + 1024 + self.capacity_blocks
-        if index.num_records > max(self._compact_at, threshold):
-            self._compact(self._by_slot.values())
-        return True
-
-    def _compact(self, entries: Iterable[DiskEntry], at_open: bool = False) -> None:
-        """Rewrite the index as a snapshot; on failure keep the log and retry much later."""
-        index = self._index
-        assert index is not None
-        if index.rewrite(sorted(entries, key=lambda e: e.seq)):
-            self._compact_at = 0
-            return
-        self.stats.compaction_errors += 1
-        # The log stays valid as it is; try again once it grew by a capacity's worth.
-        self._compact_at = index.num_records + self.capacity_blocks + 1024
-        logger.warning(
-            "disk tier %s: could not compact %s (%s); keeping it as it is%s",
-            self.directory,
-            INDEX_NAME,
-            index.last_error,
-            " (opened read-mostly until there is room)" if at_open else "",
-        )
-
-    def _drop_if_current(self, entry: DiskEntry) -> None:
-        """Drop ``entry`` unless it was replaced meanwhile; the caller holds ``_lock``."""
-        if self._by_slot.get(entry.slot) is entry:
-            del self._by_slot[entry.slot]
-            del self._by_key[entry.key]
-            self._append([del_record(entry.slot)])
+            self._catalog.clear()  # needs no free space, unlike a rewrite
 
     # -- I/O plumbing -------------------------------------------------------
 
@@ -467,15 +287,7 @@ class DiskBlockStore:
             return []
         checksums = [xxhash.xxh3_64_intdigest(v) for v in views]
         with self._lock:
-            records = []
-            for k, s in zip(keys, slots):
-                for old in (self._by_slot.pop(s, None), self._by_key.pop(k, None)):
-                    if old is not None:
-                        self._by_slot.pop(old.slot, None)
-                        self._by_key.pop(old.key, None)
-                        if old.slot != s:
-                            records.append(del_record(old.slot))
-            self._append(records, healthy=False)
+            self._catalog.append(self._catalog.vacate(keys, slots), healthy=False)
 
         def write(run: list[int]) -> OSError | None:
             try:
@@ -502,22 +314,17 @@ class DiskBlockStore:
             for i in range(n):
                 if not ok[i]:
                     continue
-                k, s = keys[i], slots[i]
-                if s in self._by_slot or k in self._by_key:
-                    # A concurrent put claimed the slot or key: its write wins.
+                record = self._catalog.add(keys[i], slots[i], checksums[i])
+                if record is None:
                     ok[i] = False
                     continue
-                e = DiskEntry(k, s, checksums[i], self._next_seq)
-                self._next_seq += 1
-                self._by_slot[s] = e
-                self._by_key[k] = e
-                records.append(put_record(e))
+                records.append(record)
             failed = n - len(records)
             self.stats.blocks_written += len(records)
             self.stats.write_errors += failed
             if first_err is not None:
-                self._alarm.failed(first_err, why=_why(first_err), blocks=failed)
-            self._append(records, healthy=first_err is None)
+                self._alarm.failed(first_err, why=why_failed(first_err), blocks=failed)
+            self._catalog.append(records, healthy=first_err is None)
         return ok
 
     # -- batch reads --------------------------------------------------------
@@ -545,7 +352,7 @@ class DiskBlockStore:
         entries: list[DiskEntry | None] = [None] * n
         with self._lock:
             for i, k in enumerate(keys):
-                e = self._by_key.get(k)
+                e = self._catalog.by_key.get(k)
                 if e is not None and (slots is None or e.slot == int(slots[i])):
                     entries[i] = e
                     found.append(i)
@@ -581,7 +388,7 @@ class DiskBlockStore:
                     self.stats.corrupt_blocks += 1
                 elif why == "truncated":
                     self.stats.truncated_blocks += 1
-                self._drop_if_current(e)
+                self._catalog.drop_if_current(e)
             self.stats.blocks_read += sum(hit)
             self.stats.misses += n - sum(hit)
         if bad:
@@ -607,14 +414,14 @@ class DiskBlockStore:
         """Make everything written so far durable (data, then index)."""
         self._slabs.sync()
         with self._lock:
-            if self._index is not None:
-                self._index.sync()
+            if self._open_catalog is not None:
+                self._open_catalog.log.sync()
 
     def _release(self) -> None:
         self._slabs.close()
-        if self._index is not None:
-            self._index.close()
-            self._index = None
+        if self._open_catalog is not None:
+            self._open_catalog.log.close()
+            self._open_catalog = None
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # also drops the flock
             self._lock_fd = -1
