@@ -1,0 +1,15 @@
+"""Policy benchmarks: what the CPU tier keeps, replayed on block traces (no model).
+
+- ``offload``: ``kvoffload bench offload``: CPU-tier cache policies replayed on a
+  Mooncake-format trace against vLLM's managers, LRU and Belady (``offload_report``
+  prints it); ``--suite`` runs ``suite`` (every policy on held-out trace families;
+  ``suite_cache`` keeps vLLM's rows, ``suite_report`` prints the tables);
+- ``vllm_replay``: vLLM's own CPU offloading manager driven as ``offload`` drives ours;
+- ``traces``: block-level traces (loading, seeded generators); ``mooncake``: replaying a
+  Mooncake trace through the GPU block pool and the CPU tier (``kvoffload bench serve
+  --mooncake``);
+- ``hybrid_replay``: ``kvoffload bench hybrid``: KV cache groups (full attention +
+  sliding windows) on a CPU tier, chunk units against vLLM's lru / arc;
+- ``hybrid_sched``: ``kvoffload bench hybrid-sched``: the same groups on vLLM's real
+  scheduler, kvoffload's spec against vLLM's CPU spec.
+"""
