@@ -7,6 +7,7 @@
 - ``alarm``: one warning when a tier's writes start failing, one when they work again;
 - ``lower_tier``: the contract a lower tier implements (scheduler side) and its load / store specs;
 - ``tiered_manager``: the CPU tier over the lower tiers, scheduler side;
+- ``tiered_records``, ``write_down``: its jobs in flight and counters; the copies down the stack;
 - ``tiered_handler``: GPU <-> CPU <-> disk / Redis jobs on the worker side;
 - ``config``: ``TierConfig`` (what the lower tiers take, checked once) and ``TierIdentity``;
 - ``stack``: building the tiers behind a CPU tier (``make_tiers``).

@@ -42,14 +42,10 @@ then drops it.
 from __future__ import annotations
 
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-
-import numpy as np
 
 from kvoffload.offload.base import (
-    BlockIDsLoadStoreSpec,
     CPULoadStoreSpec,
     LoadStoreSpec,
     OffloadingEvent,
@@ -58,71 +54,13 @@ from kvoffload.offload.base import (
     PrepareStoreOutput,
 )
 from kvoffload.offload.cpu_manager import CPUOffloadingManager
-from kvoffload.tiers.lower_tier import (
-    DiskLoadStoreSpec,
-    LowerTierManager,
-    RemoteLoadStoreSpec,
-    TierCopy,
-    TieredLoadStoreSpec,
-)
+from kvoffload.tiers.lower_tier import LowerTierManager, TierCopy, TieredLoadStoreSpec
+from kvoffload.tiers.tiered_records import PendingLoad, PendingStore, TieredStats, TierKeys
+from kvoffload.tiers.write_down import subset_spec, write_down
 
 WRITE_MODES = ("write_back", "write_through")
 _CPU = -1
 _NONE = -2
-
-
-@dataclass
-class TieredStats:
-    """Blocks loaded per medium, and the traffic between tiers.
-
-    ``load_blocks``: handed out by ``prepare_load``; ``loaded_blocks``: of
-    those, the ones whose load did not report failure (the tier hits).
-    ``vanished_loads``: loads failed because a block looked up had left every
-    tier by ``prepare_load`` (the engine recomputes those blocks).
-    """
-
-    load_blocks: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    loaded_blocks: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    promotions: int = 0
-    promotions_discarded: int = 0
-    promotions_failed: int = 0
-    no_room_loads: int = 0
-    vanished_loads: int = 0
-    write_downs: int = 0
-    write_throughs: int = 0
-
-
-@dataclass
-class _PendingLoad:
-    cpu_keys: list[OffloadKey]
-    lower_pins: list[tuple[LowerTierManager, list[OffloadKey]]]
-    promoted: list[OffloadKey]
-    written: list[tuple[LowerTierManager, list[OffloadKey]]]
-    error: bool = False
-
-
-@dataclass
-class _PendingStore:
-    before: list[tuple[LowerTierManager, list[OffloadKey]]]
-    after: list[tuple[LowerTierManager, list[OffloadKey]]]
-    # The CPU keys of the store still to complete, and whether all so far succeeded.
-    waiting: set[OffloadKey] = field(default_factory=set)
-    ok: bool = True
-
-
-def subset_spec(
-    spec: LoadStoreSpec, keys: Sequence[OffloadKey], sub: Sequence[OffloadKey]
-) -> LoadStoreSpec:
-    """The part of ``spec`` (aligned with ``keys``) that holds ``sub``, in ``sub``'s order."""
-    if isinstance(spec, RemoteLoadStoreSpec):
-        return RemoteLoadStoreSpec(sub)
-    if not isinstance(spec, BlockIDsLoadStoreSpec):
-        raise TypeError(f"cannot take a subset of {spec!r}")
-    pos = {k: i for i, k in enumerate(keys)}
-    ids = spec.block_ids[np.fromiter((pos[k] for k in sub), np.int64, len(sub))]
-    if isinstance(spec, DiskLoadStoreSpec):
-        return DiskLoadStoreSpec(ids, sub)
-    return type(spec)(ids)
 
 
 class TieredOffloadingManager(OffloadingManager):
@@ -150,9 +88,9 @@ class TieredOffloadingManager(OffloadingManager):
         self.write_mode = write_mode
         self.stats = TieredStats()
         self._local = [t for t in self.lower if t.answers_locally]
-        self._loads: dict[tuple[OffloadKey, ...], deque[_PendingLoad]] = {}
+        self._loads: dict[tuple[OffloadKey, ...], deque[PendingLoad]] = {}
         # A key is in at most one CPU store at a time, so key -> its store's record.
-        self._store_of: dict[OffloadKey, _PendingStore] = {}
+        self._store_of: dict[OffloadKey, PendingStore] = {}
         self._num_stores = 0
         # CPU keys being written by a promotion: only their load settles them.
         self._promoting: set[OffloadKey] = set()
@@ -273,7 +211,7 @@ class TieredOffloadingManager(OffloadingManager):
         where = self._classify(keys)
         cpu_keys = [k for k, t in zip(keys, where) if t == _CPU]
         promo = [k for k, t in zip(keys, where) if t != _CPU]
-        record = _PendingLoad(cpu_keys, [], [], [])
+        record = PendingLoad(cpu_keys, [], [], [])
         vanished = sum(1 for t in where if t == _NONE)
         if vanished:
             # Evicted since lookup (a Redis under maxmemory, a TTL, another engine's
@@ -308,7 +246,7 @@ class TieredOffloadingManager(OffloadingManager):
         before: list[TierCopy] = []
         if out.evicted_keys and self.write_mode == "write_back":
             assert out.evicted_spec is not None
-            copies, record.written = self._write_down(out.evicted_keys, out.evicted_spec, 0)
+            copies, record.written = self._write_down(out.evicted_keys, out.evicted_spec)
             before.extend(copies)
         for tier, tkeys, src in sources:
             dst = CPULoadStoreSpec([slot_of[k] for k in tkeys])
@@ -319,12 +257,12 @@ class TieredOffloadingManager(OffloadingManager):
         self._loads.setdefault(tuple(keys), deque()).append(record)
         return TieredLoadStoreSpec(CPULoadStoreSpec([slot_of[k] for k in keys]), before)
 
-    def _no_room(self, keys: list[OffloadKey], record: _PendingLoad) -> TieredLoadStoreSpec:
+    def _no_room(self, keys: list[OffloadKey], record: PendingLoad) -> TieredLoadStoreSpec:
         self.stats.no_room_loads += 1
         return self._failed_load(keys, record, "no CPU room to promote lower-tier blocks")
 
     def _failed_load(
-        self, keys: list[OffloadKey], record: _PendingLoad, why: str
+        self, keys: list[OffloadKey], record: PendingLoad, why: str
     ) -> TieredLoadStoreSpec:
         """A load that must fail: nothing stays pinned, ``complete_load`` just settles it."""
         record.error = True
@@ -332,7 +270,7 @@ class TieredOffloadingManager(OffloadingManager):
         self._loads.setdefault(tuple(keys), deque()).append(record)
         return TieredLoadStoreSpec(CPULoadStoreSpec([]), error=why)
 
-    def _unpin(self, record: _PendingLoad) -> None:
+    def _unpin(self, record: PendingLoad) -> None:
         if record.cpu_keys:
             self.cpu.complete_load(record.cpu_keys)
         for tier, tkeys in record.lower_pins:
@@ -388,35 +326,11 @@ class TieredOffloadingManager(OffloadingManager):
     # -- stores -------------------------------------------------------------
 
     def _write_down(
-        self, keys: list[OffloadKey], src: LoadStoreSpec, level: int
-    ) -> tuple[list[TierCopy], list[tuple[LowerTierManager, list[OffloadKey]]]]:
-        """Copies that move ``keys`` (now at ``src``) into ``lower[level]``, victims first.
-
-        Returns the copies in the order they must run and the (tier, keys)
-        stores they started. Keys the tier already has are only touched; when
-        it cannot make room (all pinned) they are not written anywhere.
-        """
-        if level >= len(self.lower) or not keys:
-            return [], []
-        tier = self.lower[level]
-        out = tier.prepare_store(keys)
-        if out is None:
-            return [], []
-        have = set(out.keys_to_store)
-        already = [k for k in keys if k not in have]
-        if already:
-            tier.touch(already)
-        copies: list[TierCopy] = []
-        started: list[tuple[LowerTierManager, list[OffloadKey]]] = []
-        if out.evicted_keys and out.evicted_spec is not None:
-            # The tier's victims move on before this write reuses their slots.
-            copies, started = self._write_down(list(out.evicted_keys), out.evicted_spec, level + 1)
-        if out.keys_to_store:
-            copies.append(
-                TierCopy(subset_spec(src, keys, out.keys_to_store), out.store_spec, required=False)
-            )
-            started.append((tier, list(out.keys_to_store)))
-            self.stats.write_downs += len(out.keys_to_store)
+        self, keys: list[OffloadKey], src: LoadStoreSpec
+    ) -> tuple[list[TierCopy], TierKeys]:
+        """``write_down`` into the first lower tier, counted in ``stats.write_downs``."""
+        copies, started = write_down(self.lower, keys, src, 0)
+        self.stats.write_downs += sum(len(k) for _, k in started)
         return copies, started
 
     def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
@@ -424,10 +338,10 @@ class TieredOffloadingManager(OffloadingManager):
         if out is None or not out.keys_to_store or not self.lower:
             return out
         before: list[TierCopy] = []
-        record = _PendingStore([], [])
+        record = PendingStore([], [])
         if out.evicted_keys and self.write_mode == "write_back":
             assert out.evicted_spec is not None
-            before, record.before = self._write_down(out.evicted_keys, out.evicted_spec, 0)
+            before, record.before = self._write_down(out.evicted_keys, out.evicted_spec)
         after: list[TierCopy] = []
         if self.write_mode == "write_through":
             stored = list(out.keys_to_store)
@@ -477,7 +391,7 @@ class TieredOffloadingManager(OffloadingManager):
             if not record.waiting:
                 self._settle_store(record)
 
-    def _settle_store(self, record: _PendingStore) -> None:
+    def _settle_store(self, record: PendingStore) -> None:
         self._num_stores -= 1
         for tier, k in record.before:
             tier.complete_store(k, success=True)

@@ -9,7 +9,9 @@ Return codes (0.3.x): a batch call answers per key, ``>= 0`` for success
 (bytes read for gets) and a negative code otherwise. ``OBJECT_NOT_FOUND``
 (-704) is a plain miss; ``RPC_FAIL`` (-900..) means the master did not answer
 and ``TRANSFER_FAIL`` (-800..) that the segment holding the bytes did not:
-both trip the tier's breaker (``probe``). ``BUFFER_TOO_SMALL`` (-600) is a
+both trip the tier's breaker (``probe``). A get of a value shorter than the
+buffers given also answers -800: the store tells the two apart by the
+object's size (``get_size``). ``BUFFER_TOO_SMALL`` (-600) is a
 value larger than ours (a foreign or torn value: dropped). ``NO_SPACE``
 (-200) is a put refused because no segment has room.
 
@@ -63,6 +65,8 @@ class MooncakeClient(Protocol):
     ) -> list[int]: ...
 
     def batch_is_exist(self, keys: list[str]) -> list[int]: ...
+
+    def get_size(self, key: str) -> int: ...
 
     def batch_remove(self, keys: list[str], force: bool = False) -> list[int]: ...
 

@@ -142,8 +142,9 @@ class MooncakeBlockStore:
     ``url`` is ``mooncakestore://HOST:PORT``; ``metadata`` the transfer
     engine's metadata service (``P2PHANDSHAKE``, ``http://``, ``etcd://``);
     ``segment_bytes`` the memory this process contributes to the pool (0: a
-    pure client of other holders); ``client``: an already set-up client
-    (tests), else one is opened here (``MooncakeUnavailable`` when it cannot).
+    pure client of other holders); ``client``: an already set-up client that
+    the caller owns and closes (several stores may share one), else one is
+    opened here (``MooncakeUnavailable`` when it cannot) and closed by ``close``.
     Thread-safe: the client is, and the scratch area has its own lock.
     """
 
@@ -180,6 +181,7 @@ class MooncakeBlockStore:
         self.lost = LostKeys(lost_hold_s)
         self._rewrite: set[str] = set()  # keys whose stored value was bad: upsert next time
         self._registered: list[int] = []
+        self._owns_client = client is None
         if client is None:
             client = open_client(
                 self.master,
@@ -338,7 +340,7 @@ class MooncakeBlockStore:
             [[headers[i].ctypes.data, payloads[i].ctypes.data] for i in range(n)],
             [[HEADER_BYTES, self.block_bytes]] * n,
         )
-        answers = codes(got, n)
+        answers = self._short_values(okeys, codes(got, n))
         self._observe(answers, "get")
         hit = [False] * n
         bad: list[str] = []
@@ -355,6 +357,18 @@ class MooncakeBlockStore:
         found = sum(hit)
         self._count(blocks_read=found, misses=n - found)
         return hit
+
+    def _short_values(self, okeys: list[str], answers: list[int]) -> list[int]:
+        """-800 also answers a value shorter than ours: those become their (wrong) size.
+
+        Only a transfer failure of a value of our size means a lost holder.
+        """
+        for i, c in enumerate(answers):
+            if is_down_code(c) and c > -900:
+                size = int(self._client.get_size(okeys[i]))
+                if size >= 0 and size != self.value_bytes:
+                    answers[i] = size
+        return answers
 
     def _verify(self, okey: str, header: np.ndarray, payload: np.ndarray) -> bool:
         magic, version, length, csum = _unpack_header(header)
@@ -471,7 +485,8 @@ class MooncakeBlockStore:
         for ptr in self._registered:
             self._unregister(ptr)
         self._registered.clear()
-        self._client.close()
+        if self._owns_client:
+            self._client.close()  # ~1-2 s: the client's own threads wind down
 
     def __enter__(self) -> MooncakeBlockStore:
         return self
