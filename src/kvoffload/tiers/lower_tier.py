@@ -49,7 +49,7 @@ class DiskLoadStoreSpec(BlockIDsLoadStoreSpec):
             return NotImplemented
         return super().__eq__(other) and self.keys == other.keys
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None
 
 
 class RemoteLoadStoreSpec(LoadStoreSpec):

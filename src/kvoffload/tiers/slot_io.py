@@ -111,18 +111,18 @@ class SlotIO:
 
 
 class SlotStore(Protocol):
-    """What a slot tier's store offers: blocks of ``block_bytes`` under keys, in batches.
+    """What every slot tier's store offers: blocks of ``block_bytes`` under keys, in batches.
 
-    ``where`` is the store's own placement of each block (the disk tier's
-    slots); stores that place blocks themselves (Redis) take none. Both
-    calls return, per block, whether it moved (a read: a verified hit).
+    Their ``put`` / ``get_into`` differ in where a block goes: the disk
+    store takes a slot per block, stores that place blocks themselves
+    (Redis) take none. The base handler therefore calls them with the
+    subclass's ``placement`` (``store.put(keys, blocks, *placement)``), and
+    each subclass types ``store`` as its own store class. Both calls return,
+    per block, whether it moved (a read: a verified hit).
     """
 
-    block_bytes: int
-
-    def put(self, keys: Sequence[bytes], blocks: Any, *where: Sequence[int]) -> list[bool]: ...
-
-    def get_into(self, keys: Sequence[bytes], out: Any, *where: Sequence[int]) -> list[bool]: ...
+    @property
+    def block_bytes(self) -> int: ...
 
 
 class SlotTierHandler(ThreadPoolTransferHandler):

@@ -168,7 +168,7 @@ class OffloadEventDescriber:
                     event.lora_id,
                     event.lora_name,
                 )
-                self._gpu_left.discard(h)  # type: ignore[arg-type]
+                self._gpu_left.discard(h)
                 if self._placeholders:
                     key = make_offload_key(h, event.group_idx or 0)  # type: ignore[arg-type]
                     if key in self._placeholders:
@@ -228,8 +228,8 @@ class OffloadEventDescriber:
                         emptied.append(key)
                     hashes = held.payload.hashes if held.payload else [offload_key_block_hash(key)]
                     by_group.setdefault(offload_key_group_idx(key), []).extend(hashes)
-                for group, hashes in by_group.items():
-                    out.append(self._removed(hashes, medium, group))
+                for group, group_hashes in by_group.items():
+                    out.append(self._removed(group_hashes, medium, group))
                 continue
             for key in ev.keys:
                 held = self._held.get(key)

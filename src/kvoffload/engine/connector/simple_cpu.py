@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvoffload.blocks import BlockPool, KVCacheBlock
 from kvoffload.engine.connector.lazy import LazyStoreWalker
 from kvoffload.engine.connector.scheduler import OffloadingConnectorScheduler
@@ -68,8 +70,8 @@ class SimpleCPUOffloadScheduler(OffloadingConnectorScheduler):
     def on_blocks_computed(
         self,
         req_id: str,
-        request_blocks: list[KVCacheBlock],
-        block_hashes: list[BlockHash],
+        request_blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
         num_computed_tokens: int,
     ) -> None:
         if self.store_mode == "eager":

@@ -172,7 +172,7 @@ class SlabFiles:
             return False
         try:
             buf = aligned_empty(ALIGN)
-            return os.preadv(fd, [buf], 0) == ALIGN
+            return os.preadv(fd, [buf.data], 0) == ALIGN
         except OSError:
             return False
         finally:

@@ -285,7 +285,7 @@ class DiskBlockStore:
         views = as_block_views(blocks, n, self.block_bytes)
         if n == 0:
             return []
-        checksums = [xxhash.xxh3_64_intdigest(v) for v in views]
+        checksums = [xxhash.xxh3_64_intdigest(v.data) for v in views]
         with self._lock:
             self._catalog.append(self._catalog.vacate(keys, slots), healthy=False)
 
@@ -378,7 +378,7 @@ class DiskBlockStore:
                 assert e is not None
                 if pos >= whole:
                     bad.append((e, err or "truncated"))
-                elif xxhash.xxh3_64_intdigest(views[i]) != e.checksum:
+                elif xxhash.xxh3_64_intdigest(views[i].data) != e.checksum:
                     bad.append((e, "checksum mismatch"))
                 else:
                     hit[i] = True

@@ -341,7 +341,6 @@ class MooncakeBlockStore:
             [[HEADER_BYTES, self.block_bytes]] * n,
         )
         answers = self._short_values(okeys, codes(got, n))
-        self._observe(answers, "get")
         hit = [False] * n
         bad: list[str] = []
         lost: list[str] = []
@@ -353,7 +352,9 @@ class MooncakeBlockStore:
                     lost.append(okeys[i])
             elif c != OBJECT_NOT_FOUND:
                 bad.append(okeys[i])
-        self._drop(bad, lost)
+        master_down = any(is_down_code(c) and c <= -900 for c in answers)
+        self._drop(bad, lost, remove=not master_down)
+        self._observe(answers, "get")
         found = sum(hit)
         self._count(blocks_read=found, misses=n - found)
         return hit
@@ -376,8 +377,9 @@ class MooncakeBlockStore:
             return False
         return _checksum(okey, payload) == csum
 
-    def _drop(self, bad: list[str], lost: list[str]) -> None:
-        """Remove values that failed verification (rewritten by upsert) and lost ones."""
+    def _drop(self, bad: list[str], lost: list[str], remove: bool) -> None:
+        """Remove values that failed verification (rewritten by upsert) and lost ones
+        (``remove``: the master answers; before the breaker trips on a lost holder)."""
         if bad:
             self._count(corrupt_values=len(bad))
             self._rewrite.update(bad)
@@ -385,7 +387,7 @@ class MooncakeBlockStore:
         if lost:
             self._count(lost_blocks=len(lost))
             self.lost.add(lost)
-        if (bad or lost) and self.breaker.available:
+        if (bad or lost) and remove and self.breaker.available:
             self._client.batch_remove(bad + lost, force=True)
 
     # -- byte calls (through the scratch area) --------------------------------
