@@ -21,8 +21,16 @@ byte_size = argtypes.byte_size()
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    d = EngineConfig()
-    g = parser.add_argument_group("engine")
+    """The engine's flags in three groups (engine, offload, events), defaults from
+    ``EngineConfig``."""
+    defaults = EngineConfig()
+    _add_model_flags(parser.add_argument_group("engine"), defaults)
+    _add_offload_flags(parser.add_argument_group("offload"), defaults)
+    _add_events_flags(parser.add_argument_group("events"), defaults)
+
+
+def _add_model_flags(g: argparse._ArgumentGroup, d: EngineConfig) -> None:
+    """The model, the GPU tier and the batch."""
     g.add_argument(
         "--model",
         dest="model_path",
@@ -72,7 +80,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch threads for the model (default: 1; its GEMMs are too small to gain "
         "from more, and one thread keeps its speed beside a busy process)",
     )
-    o = parser.add_argument_group("offload")
+
+
+def _add_offload_flags(o: argparse._ArgumentGroup, d: EngineConfig) -> None:
+    """The CPU tier, its policy and the lower tiers."""
     o.add_argument(
         "--store-mode",
         choices=STORE_MODES,
@@ -131,7 +142,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="write every store to the lower tiers too (default: write-back)",
     )
-    e = parser.add_argument_group("events")
+
+
+def _add_events_flags(e: argparse._ArgumentGroup, d: EngineConfig) -> None:
+    """Publishing KV events."""
     e.add_argument(
         "--events-endpoint",
         type=argtypes.zmq_endpoint,
@@ -193,7 +207,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
         )
     }
     fields.update(overrides)
-    config = EngineConfig(**fields)  # type: ignore[arg-type]
+    config = EngineConfig(**fields)
     from kvoffload.cli.preflight import check_engine_config
 
     check_engine_config(config)  # refuse what cannot work before allocating anything
