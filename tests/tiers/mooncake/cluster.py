@@ -71,12 +71,15 @@ def _stop(proc: subprocess.Popen[bytes] | None, sig_kill: bool = False) -> None:
 class LoopbackMooncake:
     """One master (restartable on the same port) and any number of segment holders."""
 
-    def __init__(self, logdir: Path, master_flags: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, logdir: Path, master_flags: tuple[str, ...] = (), client_ttl_s: int = CLIENT_TTL_S
+    ) -> None:
         self.logdir = Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.metrics_port = free_port()
         self.master_flags = master_flags
+        self.client_ttl_s = client_ttl_s
         self.master: subprocess.Popen[bytes] | None = None
         self.holders: list[subprocess.Popen[bytes]] = []
         self._starts = 0
@@ -101,7 +104,7 @@ class LoopbackMooncake:
                 "--enable_metric_reporting=false",
                 f"--metrics_port={self.metrics_port}",
                 f"--metrics_host={LOOPBACK}",
-                f"--client_ttl={CLIENT_TTL_S}",
+                f"--client_ttl={self.client_ttl_s}",
                 *self.master_flags,
             ],
             stdout=log,
