@@ -179,27 +179,7 @@ class ModelConfig:
         Raises ``ValueError`` for an unsupported architecture or option, or a
         missing key.
         """
-        # Before the architecture check: a Gemma 3 or a Qwen3-Next should hear what
-        # it has that this engine cannot run, not only that its name is unknown.
-        hybrid = hybrid_layers(hf)
-        if hybrid is not None:
-            raise ValueError(
-                f"hybrid model: kvoffload's reference engine runs full-attention layers only, "
-                f"not {hybrid} (serve it with vLLM and kvoffload's connector, docs/vllm.md)"
-            )
-        archs = hf.get("architectures") or []
-        if isinstance(archs, str):
-            archs = [archs]
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            model_type = hf.get("model_type")
-            by_type = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-            if archs or model_type not in by_type:
-                raise ValueError(
-                    f"unsupported architecture {archs or model_type!r}; "
-                    f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-                )
-            arch = by_type[model_type]
+        arch = _hf_architecture(hf)
 
         def need(key: str) -> Any:
             if key not in hf or hf[key] is None:
@@ -223,15 +203,7 @@ class ModelConfig:
             qkv_bias = o_bias = bool(hf.get("attention_bias", False))
         if dtype is None:
             dtype = "float32"
-        # transformers >= 5 writes ``rope_parameters`` (theta + scaling in one
-        # mapping) where older versions wrote ``rope_theta`` and ``rope_scaling``.
-        rope = hf.get("rope_parameters")
-        if isinstance(rope, Mapping):
-            rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-            scaling: Any = {k: v for k, v in rope.items() if k != "rope_theta"}
-        else:
-            rope_theta = hf.get("rope_theta", 10000.0)
-            scaling = hf.get("rope_scaling")
+        rope_theta, scaling = _hf_rope(hf)
         return cls(
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
@@ -295,6 +267,43 @@ class ModelConfig:
         return d
 
 
+def _hf_architecture(hf: Mapping[str, Any]) -> str:
+    """The supported architecture a ``config.json`` names (or its ``model_type`` implies)."""
+    # Before the architecture check: a Gemma 3 or a Qwen3-Next should hear what
+    # it has that this engine cannot run, not only that its name is unknown.
+    hybrid = hybrid_layers(hf)
+    if hybrid is not None:
+        raise ValueError(
+            f"hybrid model: kvoffload's reference engine runs full-attention layers only, "
+            f"not {hybrid} (serve it with vLLM and kvoffload's connector, docs/vllm.md)"
+        )
+    archs = hf.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        model_type = hf.get("model_type")
+        by_type = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+        if archs or model_type not in by_type:
+            raise ValueError(
+                f"unsupported architecture {archs or model_type!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        arch = by_type[model_type]
+    return str(arch)
+
+
+def _hf_rope(hf: Mapping[str, Any]) -> tuple[Any, Any]:
+    """``(rope_theta, rope_scaling)`` as a ``config.json`` gives them (not checked yet)."""
+    # transformers >= 5 writes ``rope_parameters`` (theta + scaling in one
+    # mapping) where older versions wrote ``rope_theta`` and ``rope_scaling``.
+    rope = hf.get("rope_parameters")
+    if isinstance(rope, Mapping):
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        return theta, {k: v for k, v in rope.items() if k != "rope_theta"}
+    return hf.get("rope_theta", 10000.0), hf.get("rope_scaling")
+
+
 #: ``layer_types`` entries that are plain causal attention over the whole sequence.
 _FULL_ATTENTION_KINDS = frozenset({"full_attention", "attention", "global", "full"})
 #: ``config.json`` keys that only Mamba / SSM / linear-attention / convolution layers have.
@@ -351,7 +360,9 @@ def _hybrid_reasons(cfg: Mapping[str, Any]) -> list[str]:
     at = f", window {window}" if window else ""
     kinds = cfg.get("layer_types")
     other: dict[str, int] = {}
+    num_layers = 0
     if isinstance(kinds, (list, tuple)):
+        num_layers = len(kinds)
         for kind in kinds:
             if str(kind) not in _FULL_ATTENTION_KINDS:
                 other[str(kind)] = other.get(str(kind), 0) + 1
@@ -362,7 +373,7 @@ def _hybrid_reasons(cfg: Mapping[str, Any]) -> list[str]:
             if all("sliding" in kind for kind in other)
             else f"{' / '.join(k for k in other if 'sliding' not in k)} layers"
         )
-        reasons.append(f"{what} (layer_types: {listed} of {len(kinds)} layers{at})")
+        reasons.append(f"{what} (layer_types: {listed} of {num_layers} layers{at})")
     elif cfg.get("use_sliding_window"):
         reasons.append(f"sliding-window attention (use_sliding_window=true{at})")
     elif "use_sliding_window" not in cfg and (
