@@ -1,13 +1,14 @@
 """The reference engine: a small Llama-style model over paged KV, continuous batching.
 
-Names are imported on first use (PEP 562), so that ``kvoffload.engine.config``
+Names are imported on first use (``kvoffload._lazy``), so that ``kvoffload.engine.config``
 (the CLI's flags and defaults) can be read without importing torch.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvoffload._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvoffload.engine.config import EngineConfig
@@ -24,10 +25,4 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _WHERE)

@@ -35,9 +35,9 @@ The publisher and subscriber names load lazily, so that importing the event
 types (as the block pool does) does not import ZMQ.
 """
 
-import importlib
 from typing import TYPE_CHECKING
 
+from kvoffload._lazy import lazy_exports
 from kvoffload.events.types import (
     DEFAULT_PROFILE,
     EVENTS_EXACT,
@@ -100,11 +100,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [

@@ -1,6 +1,10 @@
 """Chained block hashes over token ids (+ extra keys: LoRA, salt), as vLLM 0.33 hashes them."""
 
-from kvoffload.hashing import block_hash as _block_hash
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvoffload._lazy import lazy_exports
 from kvoffload.hashing.block_hash import (
     DEFAULT_HASH_FN,
     DEFAULT_NONE_HASH_SEED,
@@ -26,12 +30,12 @@ from kvoffload.hashing.block_hash import (
     xxhash128_cbor,
 )
 
+if TYPE_CHECKING:
+    from kvoffload.hashing.block_hash import NONE_HASH
 
-def __getattr__(name: str) -> object:
-    # NONE_HASH can be re-seeded at run time; read it live, not as a stale copy.
-    if name == "NONE_HASH":
-        return _block_hash.NONE_HASH
-    raise AttributeError(name)
+# NONE_HASH can be re-seeded at run time (``init_none_hash`` rebinds it in
+# block_hash): it is read there at each access, never kept as a stale copy.
+__getattr__ = lazy_exports(__name__, {"NONE_HASH": "kvoffload.hashing.block_hash"})
 
 
 __all__ = [
