@@ -8,8 +8,10 @@ kvoffload's. vLLM stores the sliding-window group's tail at each prompt's
 *end* only, so ``S + B`` and ``S + C`` find every full-attention chunk of
 ``S`` but no window ending there, and load nothing:
 
-- off (the default): stores and hits are exactly vLLM's own
+- off (``sliding_window_keep: false``): stores and hits are exactly vLLM's own
   ``CPUOffloadingSpec`` scheduler's on the same requests;
+- the default (no key): junctions and a window every ``default_every`` tokens
+  (16 windows: 512 tokens, past ``S``), so as with junctions alone;
 - ``sliding_window_keep: true`` (junctions): ``S + B`` shows that prompts
   part after ``S``; it keeps the window ending there, so ``S + C`` hits all
   of ``S``;
@@ -95,7 +97,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, GroupsRig]:
     tmp = tmp_path_factory.mktemp("window-keep")
     return {
         "vllm": _run(tmp, "vllm", None),
-        "off": _run(tmp, "off", {}),
+        "off": _run(tmp, "off", {"sliding_window_keep": False}),
+        "default": _run(tmp, "default", {}),
         "junctions": _run(tmp, "junctions", {"sliding_window_keep": True}),
         "every": _run(tmp, "every", {"sliding_window_keep_every": 64}),
     }
@@ -115,18 +118,19 @@ def test_off_stores_and_hits_what_vllm_does(runs: dict[str, GroupsRig]) -> None:
     assert _external(off)["b"] == _external(off)["c"] == 0
 
 
+@pytest.mark.parametrize("name", ["junctions", "default"])
 def test_junctions_make_the_third_prompt_hit_the_shared_prefix(
-    runs: dict[str, GroupsRig],
+    runs: dict[str, GroupsRig], name: str
 ) -> None:
-    vllm, on = runs["vllm"], runs["junctions"]
+    vllm, on = runs["vllm"], runs[name]
     hits = _external(on)
-    print(f"tokens from kvoffload with junctions: {hits}, vLLM: {_external(vllm)}")
+    print(f"tokens from kvoffload ({name}): {hits}, vLLM: {_external(vllm)}")
     assert hits["b"] == 0  # nobody had parted at S yet
     assert hits["c"] == len(SHARED)
     assert set(vllm.stored_keys) <= set(on.stored_keys)
     extra = len(set(on.stored_keys) - set(vllm.stored_keys))
     stats = _keep_stats(on)
-    print(f"junctions: {stats}; {extra} more chunk keys stored than vLLM")
+    print(f"{name}: {stats}; {extra} more chunk keys stored than vLLM")
     # One window (32 tokens = 2 blocks of 16) at the one junction.
     assert stats.junctions >= 1
     assert extra == 2
@@ -144,7 +148,7 @@ def test_every_makes_the_second_prompt_hit_too(runs: dict[str, GroupsRig]) -> No
 
 
 def test_loaded_bytes_are_what_each_groups_layers_held(runs: dict[str, GroupsRig]) -> None:
-    for name in ("off", "junctions", "every"):
+    for name in ("off", "default", "junctions", "every"):
         rig = runs[name]
         assert not rig.mismatches, (name, rig.mismatches)
     assert runs["junctions"].blocks_verified > runs["off"].blocks_verified
@@ -174,7 +178,8 @@ def test_behind_vllms_stock_connector_the_keys_are_refused(tmp_path: Path) -> No
 
 
 def test_config_values() -> None:
-    assert not WindowKeepConfig.from_extra_config({}).enabled
+    assert WindowKeepConfig.from_extra_config({}).auto
+    assert not WindowKeepConfig.from_extra_config({"sliding_window_keep": False}).enabled
     assert not WindowKeepConfig.from_extra_config({"sliding_window_keep": "off"}).enabled
     assert WindowKeepConfig.from_extra_config({"sliding_window_keep": "junctions"}).junctions
     assert WindowKeepConfig.from_extra_config({"sliding_window_keep": "true"}).junctions

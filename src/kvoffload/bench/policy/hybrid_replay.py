@@ -13,9 +13,14 @@ way for kvoffload's ``CPUOffloadingManager`` and vLLM's own
   last prompt token is recomputed, so the hit stops at ``(tokens - 1) // T``;
 - load: full groups every hit chunk, sliding-window groups the last window;
 - store: every group's chunks from the hit on, group after group in one
-  ``prepare_store`` (vLLM's store of a prefilled prompt: with the default
-  store mask every computed sliding-window chunk is stored), then
+  ``prepare_store`` (every computed sliding-window chunk: vLLM's store mask
+  with ``prefix_cache_retention_interval=None``; vLLM 0.33's default keeps
+  only the window before the last prompt token, see ``--windows``), then
   ``complete_store`` of the keys taken.
+
+``--windows`` prints ``hybrid_windows_bench``'s table instead: which
+sliding-window chunks a store offers (vLLM 0.33's rule, KVOffloadConnector's
+default extra windows) at equal bytes.
 
 Rows: kvoffload's default policy with the group layout (the chunk-unit layer,
 ``kvoffload.offload.chunk_units``), the same policy without it (per key: the
@@ -37,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -51,12 +55,23 @@ from kvoffload.bench.policy.hybrid_windows import (
     learn_junction,
     store_keys,
 )
-from kvoffload.bench.policy.mooncake import full_blocks, read_mooncake_trace
+from kvoffload.bench.policy.hybrid_workloads import (
+    MOONCAKE_TRACE,
+    _workloads,
+)
+from kvoffload.bench.policy.hybrid_workloads import (  # re-exported: the workloads' old home
+    layouts as layouts,
+)
+from kvoffload.bench.policy.hybrid_workloads import (
+    long_prompts as long_prompts,
+)
+from kvoffload.bench.policy.hybrid_workloads import (
+    mooncake_prompts as mooncake_prompts,
+)
 from kvoffload.offload import DEFAULT_CACHE_POLICY, CPUOffloadingManager, OffloadKey
 from kvoffload.offload.base import make_offload_key
-from kvoffload.offload.chunk_units import FULL_ATTENTION, GroupLayout
+from kvoffload.offload.chunk_units import GroupLayout
 
-MOONCAKE_TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
 ROWS = (
     "kvoffload:default+units",
     "kvoffload:default/key",
@@ -68,67 +83,6 @@ ROWS = (
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def layouts(tokens_per_chunk: int) -> dict[str, tuple[GroupLayout, ...]]:
-    def sw(window: int) -> GroupLayout:
-        return GroupLayout("sliding_window", window, tokens_per_chunk)
-
-    full = GroupLayout(FULL_ATTENTION, None, tokens_per_chunk)
-    return {
-        "2g-w128": (full, sw(128)),
-        "2g-w1024": (full, sw(1024)),
-        "4g-w128": (full, sw(128), sw(128), sw(128)),
-        "4g-w1024": (full, sw(1024), sw(1024), sw(1024)),
-    }
-
-
-# -- workloads -------------------------------------------------------------------------
-
-
-def long_prompts(
-    num_requests: int, prompt_tokens: int, tokens_per_chunk: int, seed: int = 0
-) -> list[list[int]]:
-    """Chunk ids of sessions of long prompts: equal ids exactly as far as prefixes are equal.
-
-    Six system prompts (2 K to 8 K tokens, Zipf-popular) open sessions whose
-    first prompt has ``prompt_tokens`` tokens; a later turn (60% of requests,
-    a recent session) sends the previous prompt plus 512 to 2,048 new tokens.
-    """
-    rng = random.Random(seed)
-    ids: dict[tuple[int, int], int] = {}
-
-    def extend(prompt: list[int], n: int) -> list[int]:
-        out = list(prompt)
-        for _ in range(n):
-            parent = out[-1] if out else -1
-            out.append(ids.setdefault((parent, rng.getrandbits(40)), len(ids)))
-        return out
-
-    chunks = prompt_tokens // tokens_per_chunk
-    systems = [extend([], rng.randint(2048, 8192) // tokens_per_chunk) for _ in range(6)]
-    weights = [1 / (i + 1) ** 1.1 for i in range(len(systems))]
-    sessions: list[list[int]] = []
-    prompts: list[list[int]] = []
-    for _ in range(num_requests):
-        if sessions and rng.random() < 0.6:
-            i = rng.randrange(max(0, len(sessions) - 30), len(sessions))
-            prompt = extend(sessions[i], rng.randint(512, 2048) // tokens_per_chunk)
-            sessions[i] = prompt
-        else:
-            system = rng.choices(systems, weights)[0]
-            prompt = extend(system, chunks - len(system))
-            sessions.append(prompt)
-        prompts.append(prompt)
-    return prompts
-
-
-def mooncake_prompts(path: Path, limit: int | None = None) -> list[list[int]]:
-    """The full 512-token blocks of each request of a Mooncake trace (one chunk per block)."""
-    requests = sorted(read_mooncake_trace(path), key=lambda r: r.timestamp)
-    if limit is not None:
-        requests = requests[:limit]
-    return [full_blocks(r, 512) for r in requests]
 
 
 # -- the two managers behind one face ------------------------------------------------------
@@ -432,27 +386,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-vllm", action="store_true", help="kvoffload's rows only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def _workloads(
-    args: argparse.Namespace,
-) -> list[tuple[str, tuple[GroupLayout, ...], list[list[int]]]]:
-    t = args.tokens_per_chunk
-    known = layouts(t)
-    chosen = [s for s in args.layouts.split(",") if s]
-    for s in chosen:
-        if s not in known:
-            raise SystemExit(f"unknown layout {s!r}; known: {', '.join(known)}")
-    prompts = long_prompts(args.requests, args.prompt_tokens, t, args.seed)
-    work = [(f"long16k/{s}", known[s], prompts) for s in chosen]
-    if args.mooncake and str(args.mooncake) not in ("", "."):
-        if not args.mooncake.exists():
-            raise SystemExit(f"no Mooncake trace at {args.mooncake}")
-        layout = (GroupLayout(tokens_per_chunk=512), GroupLayout("sliding_window", 1024, 512))
-        work.append(
-            ("mooncake/2g-w1024", layout, mooncake_prompts(args.mooncake, args.mooncake_requests))
-        )
-    return work
+    parser.add_argument(
+        "--windows",
+        action="store_true",
+        help="extra sliding-window stores at equal bytes: KVOffloadConnector's default vs the "
+        "same policy with vLLM's store rule vs vLLM's lru / arc (hybrid_windows_bench)",
+    )
 
 
 def _table(report: dict[str, object]) -> list[str]:
@@ -487,6 +426,10 @@ def _group_label(group: dict[str, object]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.windows:
+        from kvoffload.bench.policy import hybrid_windows_bench
+
+        return hybrid_windows_bench.run(args)
     rows = list(ROWS)
     reason = None if args.no_vllm else vllm_unavailable()
     if args.no_vllm or reason:

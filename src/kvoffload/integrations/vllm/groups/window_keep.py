@@ -24,7 +24,18 @@ the blocks a hit ending there needs, so the window arithmetic stays vLLM's):
   divergence hits too, at most N tokens short; it costs a window every N
   tokens of every request (``window / N`` of a full-attention group's bytes).
 
-Off (the default, neither key set) nothing is wrapped: stores are vLLM's.
+By default (neither key set, or ``sliding_window_keep: "auto"``) both are on,
+with ``every`` from ``default_every`` (``DEFAULT_EVERY_WINDOWS`` windows, in
+whole chunks), wherever the CPU tier values the extra windows as entries like
+any other chunk: kvoffload's chunk-unit policy (one CPU slot class, no lower
+tiers) holds a window only where a known boundary (a prompt's end, a place a
+lookup or a store showed prompts parting) reaches it, and evicts the others
+first, so an extra window no lookup used goes before any chunk a hit needs,
+and a chunk's keys of every group are still kept or dropped together. Where
+the tier cannot tell them apart (several slot classes, each with its own
+policy; lower tiers under vLLM's tiering manager, whose CPU tier ranks keys
+one by one) the default is off (``auto_off_reason`` says why, logged once)
+and stores are exactly vLLM's. ``sliding_window_keep: false`` turns it off.
 
 Invariants: a boundary only *adds* blocks to vLLM's mask (a superset of
 vLLM's stores; hits at least vLLM's); a group vLLM stores densely (mask
@@ -40,11 +51,13 @@ import logging
 import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvoffload.integrations.vllm.scheduler.connector_build import current_build
 from kvoffload.integrations.vllm.settings import KVOffloadConfigError
+from kvoffload.offload import CPUOffloadingManager
+from kvoffload.offload.chunk_units import uses_chunk_units
 from kvoffload.tiers.config import parse_bool
 
 logger = logging.getLogger(__name__)
@@ -53,6 +66,18 @@ KEEP_KEY = "sliding_window_keep"
 EVERY_KEY = "sliding_window_keep_every"
 #: Junction keys remembered (a 16-byte-ish key each: a few MiB at most).
 MAX_JUNCTIONS = 1 << 16
+#: The default ``every``: this many windows (``kvoffload bench hybrid --windows``).
+DEFAULT_EVERY_WINDOWS = 16
+
+
+def default_every(window_tokens: int, chunk_tokens: int) -> int:
+    """The default ``every`` in tokens: ``DEFAULT_EVERY_WINDOWS`` windows of the widest
+    windowed group, rounded up to whole offloaded chunks (a window per that many tokens
+    costs about ``1 / DEFAULT_EVERY_WINDOWS`` of a full-attention group's bytes)."""
+    if window_tokens <= 0 or chunk_tokens <= 0:
+        return 0
+    span = DEFAULT_EVERY_WINDOWS * max(window_tokens, chunk_tokens)
+    return -(-span // chunk_tokens) * chunk_tokens
 
 
 def check_reachable(extra: Mapping[str, Any]) -> None:
@@ -61,7 +86,8 @@ def check_reachable(extra: Mapping[str, Any]) -> None:
     Only ``KVOffloadConnector`` reaches vLLM's scheduler to add stores; behind
     vLLM's stock ``OffloadingConnector`` the keys would be accepted and ignored.
     """
-    if current_build() is None and WindowKeepConfig.from_extra_config(extra).enabled:
+    config = WindowKeepConfig.from_extra_config(extra)
+    if current_build() is None and config.enabled and not config.auto:
         raise KVOffloadConfigError(
             f"kv_connector_extra_config[{KEEP_KEY!r}] / [{EVERY_KEY!r}]: extra sliding-window "
             "stores need KVOffloadConnector (vLLM's OffloadingConnector cannot add them)"
@@ -71,21 +97,32 @@ def check_reachable(extra: Mapping[str, Any]) -> None:
 @dataclass(frozen=True)
 class WindowKeepConfig:
     """``junctions``: keep windows at learned divergence points; ``every``: also every N tokens
-    (0: none)."""
+    (0: none; None: ``default_every`` of the model's windows); ``auto``: the default, on only
+    where the CPU tier values the extra windows (``auto_off_reason``)."""
 
     junctions: bool = False
-    every: int = 0
+    every: int | None = 0
+    auto: bool = False
 
     @property
     def enabled(self) -> bool:
-        return self.junctions or self.every > 0
+        return self.junctions or self.every is None or self.every > 0
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> WindowKeepConfig:
-        """Read the two keys; a bad value is a ``KVOffloadConfigError`` naming the key."""
+        """Read the two keys; a bad value is a ``KVOffloadConfigError`` naming the key.
+
+        Neither key, or ``sliding_window_keep: "auto"``: the default, junctions and a window
+        every ``default_every`` tokens (or the ``every`` given). ``sliding_window_keep_every``
+        alone: that window and no junctions, wherever the tier is (as it always meant)."""
         junctions = False
-        if extra.get(KEEP_KEY) is not None:
-            raw = extra[KEEP_KEY]
+        raw = extra.get(KEEP_KEY)
+        every = _every(extra)
+        if (raw is None and every is None) or (
+            isinstance(raw, str) and raw.strip().lower() == "auto"
+        ):
+            return cls(junctions=True, every=every, auto=True)
+        if raw is not None:
             if isinstance(raw, str) and raw.strip().lower() in ("junctions", "on"):
                 junctions = True
             elif isinstance(raw, str) and raw.strip().lower() == "off":
@@ -95,16 +132,23 @@ class WindowKeepConfig:
                     junctions = parse_bool(raw)
                 except (ValueError, TypeError):
                     raise KVOffloadConfigError(
-                        f"kv_connector_extra_config[{KEEP_KEY!r}]: expected true, false or "
+                        f"kv_connector_extra_config[{KEEP_KEY!r}]: expected true, false, 'auto' or "
                         f"'junctions', got {raw!r}"
                     ) from None
-        every = extra.get(EVERY_KEY) or 0
-        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
-            raise KVOffloadConfigError(
-                f"kv_connector_extra_config[{EVERY_KEY!r}]: expected a number of tokens >= 0, "
-                f"got {every!r}"
-            )
-        return cls(junctions=junctions, every=every)
+        return cls(junctions=junctions, every=every or 0)
+
+
+def _every(extra: Mapping[str, Any]) -> int | None:
+    """``sliding_window_keep_every`` in tokens, None when not given."""
+    every = extra.get(EVERY_KEY)
+    if every is None:
+        return None
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise KVOffloadConfigError(
+            f"kv_connector_extra_config[{EVERY_KEY!r}]: expected a number of tokens >= 0, "
+            f"got {every!r}"
+        )
+    return every
 
 
 @dataclass
@@ -160,9 +204,10 @@ class WindowKeep:
         if not self.config.enabled:
             return
         align = getattr(sched.config, "alignment_tokens", None)
-        if self.config.every and align and self.config.every % align:
+        every = self.config.every or 0
+        if every and align and every % align:
             raise KVOffloadConfigError(
-                f"kv_connector_extra_config[{EVERY_KEY!r}]: {self.config.every} tokens is not "
+                f"kv_connector_extra_config[{EVERY_KEY!r}]: {every} tokens is not "
                 f"a multiple of the offloaded chunk ({align} tokens)"
             )
         self._sched = sched
@@ -258,7 +303,7 @@ class WindowKeep:
                 for j in range(first, last):
                     if keys[j] in self.junctions:
                         found.append((j + 1) * fa_tpc)
-        every = self.config.every
+        every = self.config.every or 0
         if every:
             b = (lo // every + 1) * every
             while b <= hi:
@@ -269,10 +314,62 @@ class WindowKeep:
 
 def install_window_keep(sched: Any, extra: Mapping[str, Any]) -> WindowKeep | None:
     """Install ``WindowKeep`` on a vLLM offloading scheduler as the extra config asks; None
-    when it is off (nothing wrapped)."""
+    when it is off (nothing wrapped). The default (``auto``) is resolved against ``sched``:
+    off where ``auto_off_reason`` gives a reason (logged), else junctions and ``every``."""
     config = WindowKeepConfig.from_extra_config(extra)
+    if config.auto:
+        reason = auto_off_reason(sched)
+        if reason is not None:
+            logger.info("kvoffload: extra sliding-window stores off by default: %s", reason)
+            return None
+        if config.every is None:
+            config = replace(config, every=default_every(widest_window(sched), align_of(sched)))
     if not config.enabled:
         return None
     keep = WindowKeep(config)
     keep.install(sched)
     return keep
+
+
+def align_of(sched: Any) -> int:
+    """The offloaded chunk of the full-attention groups, in tokens (0: vLLM names none)."""
+    return int(getattr(sched.config, "alignment_tokens", None) or 0)
+
+
+def widest_window(sched: Any) -> int:
+    """The widest windowed group's window in tokens (its chunks' span when vLLM gives only
+    ``sliding_window_size_in_chunks``); 0 without one."""
+    widest = 0
+    for g in sched.config.kv_group_configs:
+        spec = getattr(g, "kv_cache_spec", None)
+        window = getattr(spec, "sliding_window", None) or getattr(
+            spec, "attention_chunk_size", None
+        )
+        if not window:
+            chunks = getattr(g, "sliding_window_size_in_chunks", None)
+            window = chunks * g.tokens_per_chunk if chunks else 0
+        widest = max(widest, int(window))
+    return widest
+
+
+def auto_off_reason(sched: Any) -> str | None:
+    """Why the default leaves vLLM's stores alone on this scheduler; None where it is on.
+
+    On needs a group vLLM stores sparsely (a window at chunk boundaries) and a CPU tier
+    whose policy ranks whole chunks and evicts windows no known boundary reaches first
+    (kvoffload's chunk-unit layer: one slot class, no lower tiers). Elsewhere an extra
+    window would compete with the chunks hits need on equal terms."""
+    if not getattr(sched, "_sliding_window_groups", ()):
+        return "no sliding-window group"
+    if not align_of(sched) or not widest_window(sched):
+        return "vLLM stores every sliding-window chunk of this layout"
+    cpu = getattr(getattr(sched, "manager", None), "cpu", None)
+    if not isinstance(cpu, CPUOffloadingManager):
+        return (
+            "the CPU tier is vLLM's under its tiering manager (lower tiers) or several slot "
+            "classes: its policy ranks keys one by one, so extra windows would compete with "
+            "the chunks hits need"
+        )
+    if not uses_chunk_units(cpu.group_layout):
+        return "the CPU tier does not rank chunks as units"
+    return None
