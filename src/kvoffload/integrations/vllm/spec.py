@@ -35,6 +35,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
+from kvoffload.integrations.vllm import compat
 from kvoffload.integrations.vllm.groups.group_kinds import group_layouts
 from kvoffload.integrations.vllm.groups.group_slots import (
     GroupSlotPlan,
@@ -122,12 +123,9 @@ class KVOffloadSpec(OffloadingSpec):
             settings = parse_settings(extra_config)
         except KVOffloadConfigError:
             return ()
-        from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
-
-        keys = getattr(TieringOffloadingSpec, "config_info_keys", None)  # 0.32 has none
-        if not settings.has_lower_tiers or keys is None:
+        if not settings.has_lower_tiers:
             return ()
-        return tuple(keys({"secondary_tiers": secondary_tier_configs(settings)}))
+        return compat.tiering_config_info_keys(secondary_tier_configs(settings))
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
@@ -233,7 +231,7 @@ class KVOffloadSpec(OffloadingSpec):
     def _build_tiering_manager(self) -> OffloadingManager:
         from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
-        from kvoffload.integrations.vllm import compat
+        from kvoffload.integrations.vllm.scheduler.policies import policies_built
         from kvoffload.integrations.vllm.scheduler.tiering import KVOffloadTieringManager
 
         policy, policy_module = cpu_tier_policy(self.settings)
@@ -252,16 +250,17 @@ class KVOffloadSpec(OffloadingSpec):
         primary: Any = None
         tiers: list[Any] = []
         try:
-            primary = compat.make_primary_tier(
-                num_chunks=self.num_slots,
-                mmap_region=region,
-                cache_policy=policy,
-                cache_policy_module_path=policy_module,
-                enable_events=self._events,
-                info=compat.cpu_offloading_info(
-                    self.config, self.num_slots, self.kv_bytes_per_chunk
-                ),
-            )
+            with policies_built() as built:
+                primary = compat.make_primary_tier(
+                    num_chunks=self.num_slots,
+                    mmap_region=region,
+                    cache_policy=policy,
+                    cache_policy_module_path=policy_module,
+                    enable_events=self._events,
+                    info=compat.cpu_offloading_info(
+                        self.config, self.num_slots, self.kv_bytes_per_chunk
+                    ),
+                )
             view = primary.get_kv_memoryview()
             for tier_config in secondary_tier_configs(self.settings):
                 tiers.append(SecondaryTierFactory.create_secondary_tier(tier_config, view, self))
@@ -270,6 +269,7 @@ class KVOffloadSpec(OffloadingSpec):
                 tiers,
                 store_threshold=self.settings.store_threshold,
                 max_tracker_size=self.settings.max_tracker_size,
+                cpu_policy=built[0] if len(built) == 1 else None,
                 **compat.tiering_manager_kwargs(KVOffloadTieringManager, **poll),
             )
         except Exception:
@@ -295,13 +295,13 @@ class KVOffloadSpec(OffloadingSpec):
         layout, views, _ = plane_layout(kv_caches)
         plan = self.slot_plan
         if not self.tiered and plan is not None and not plan.single:
-            pools, routes = class_pools(plan, kv_caches, layout, views)
+            group_pools, routes = class_pools(plan, kv_caches, layout, views)
             return KVOffloadWorker(
                 layout,
                 views,
-                pools[0][2],
+                group_pools[0][2],
                 recover_failed_loads=self.recover_failed_loads,
-                group_pools=pools,
+                group_pools=group_pools,
                 group_routes=routes,
             )
         if not self.tiered:
@@ -331,8 +331,6 @@ class KVOffloadSpec(OffloadingSpec):
             world_size=max(1, self.config.parallel.world_size),
         )
         try:
-            from kvoffload.integrations.vllm import compat
-
             f = self.blocks_per_chunk
             row = layout.plane_row_bytes
             shape = layout.tensor_shape(self.num_slots)[1:]

@@ -181,13 +181,13 @@ def plan_group_slots(
     total = sum(layers[g] * page for g in full)
     classes = []
     class_of = [0] * len(layers)
-    for c, (pages, groups) in enumerate(sorted(by_pages.items(), reverse=True)):
-        n_full = sum(1 for g in groups if g in full)
+    for c, (pages, members) in enumerate(sorted(by_pages.items(), reverse=True)):
+        n_full = sum(1 for g in members if g in full)
         share = cpu_bytes * n_full * pages * page // total
         slot = pages * page * blocks_per_chunk * world
         n = _slots(share, slot, f"a block of {pages} layer page(s)", world, cpu_bytes)
-        classes.append(SlotClass(tuple(sorted(groups)), pages * page, pages, n))
-        for g in groups:
+        classes.append(SlotClass(tuple(sorted(members)), pages * page, pages, n))
+        for g in members:
             class_of[g] = c
     return GroupSlotPlan(tuple(classes), tuple(class_of), blocks_per_chunk, world)
 

@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Collection, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import count
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
@@ -44,6 +43,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvoffload.integrations.vllm.protocols import GroupOffloadConfigView
 from kvoffload.integrations.vllm.scheduler.class_managers import ClassedCPUManager
 from kvoffload.integrations.vllm.scheduler.store_threshold import StoreThreshold
 from kvoffload.offload import CPULoadStoreSpec, CPUOffloadingManager
@@ -80,7 +80,7 @@ CONTINUES_PARAM = "kvoffload_continues"
 
 
 def request_offload_keys(
-    block_hashes: Sequence[bytes], group_configs: Iterable[object]
+    block_hashes: Sequence[bytes], group_configs: Iterable[GroupOffloadConfigView]
 ) -> list[OffloadKey]:
     """The offload keys of a request's full chunks, group after group, each group head first.
 
@@ -90,13 +90,13 @@ def request_offload_keys(
     """
     keys: list[OffloadKey] = []
     for group in group_configs:
-        step = int(group.hashes_per_chunk)  # type: ignore[attr-defined]
+        step = int(group.hashes_per_chunk)
         # The group's key suffix, checked once (make_offload_key of an empty hash): the
         # keys are made for every full chunk of every waiting request, 16 K-token prompts
         # included, so one call per key showed in the scheduler's profile.
-        suffix = make_offload_key(b"", int(group.group_idx))  # type: ignore[attr-defined]
+        suffix = make_offload_key(b"", int(group.group_idx))
         chunk_hashes = block_hashes[step - 1 :: step]
-        keys.extend(cast(list[OffloadKey], [bytes(h) + suffix for h in chunk_hashes]))
+        keys.extend([bytes(h) + suffix for h in chunk_hashes])
     return keys
 
 
@@ -135,7 +135,7 @@ class RequestHints:
         self._live: dict[str, _RequestHints] = {}
         self._queued: set[str] = set()
 
-    def arrived(self, req_id: str, kv_transfer_params: dict[str, Any] | None) -> None:
+    def arrived(self, req_id: str, kv_transfer_params: Mapping[str, Any] | None) -> None:
         """vLLM saw the request (``on_new_request``); a second report changes nothing."""
         if req_id not in self._live:
             continues = (kv_transfer_params or {}).get(CONTINUES_PARAM) is True
@@ -215,13 +215,6 @@ class KVOffloadManager(OffloadingManager):
         self.failed_stores = 0
         #: Queue and session hints of vLLM's requests, for the tiers (see the "hints" section).
         self.hints = RequestHints(inner)
-
-    if not hasattr(OffloadingManager, "lock"):  # vLLM 0.32: no manager lock
-
-        @property
-        def lock(self) -> AbstractContextManager[Any]:
-            """vLLM 0.33's ``OffloadingManager.lock``; this manager is entered from one thread."""
-            return nullcontext()
 
     # -- lookups ---------------------------------------------------------------
 
@@ -381,9 +374,7 @@ class KVOffloadManager(OffloadingManager):
         makes the workers finish them before any new job runs), so the tiers
         are reset with ``force`` and the adapter forgets those jobs too.
         """
-        reset = getattr(self.inner, "reset_cache", None)
-        if reset is not None:
-            reset(force=True)
+        self.inner.reset_cache(force=True)
         self._loads.clear()
         self._stores.clear()
         self._failed.clear()

@@ -41,7 +41,9 @@ policy's does plus O(keys of the call).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -63,6 +65,28 @@ def policy_class_name(policy: str) -> str:
     """The vLLM class name of a kvoffload policy: ``chain_arms`` -> ``KVOffloadChainArmsPolicy``."""
     parts = (_ACRONYMS.get(p, p.capitalize()) for p in policy.split("_"))
     return "KVOffload" + "".join(parts) + "Policy"
+
+
+#: The policies built inside ``policies_built()`` on this thread (None outside it).
+_BUILT: ContextVar[list[KVOffloadVLLMPolicy] | None] = ContextVar(
+    "kvoffload_policies_built", default=None
+)
+
+
+@contextmanager
+def policies_built() -> Iterator[list[KVOffloadVLLMPolicy]]:
+    """The ``KVOffloadVLLMPolicy`` objects constructed in this block, on this thread.
+
+    vLLM builds its CPU tier's policy from a class name and keeps the object
+    private; a caller that builds the tier inside this block learns which
+    object it is from kvoffload's own record instead.
+    """
+    built: list[KVOffloadVLLMPolicy] = []
+    token = _BUILT.set(built)
+    try:
+        yield built
+    finally:
+        _BUILT.reset(token)
 
 
 @dataclass
@@ -88,6 +112,9 @@ class KVOffloadVLLMPolicy(VLLMCachePolicy):
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self.inner: CachePolicy = make_policy(self.policy, cache_capacity)
+        built = _BUILT.get()
+        if built is not None:
+            built.append(self)
         self._chain_hints = type(self.inner).hint_parent is not CachePolicy.hint_parent
         self._chunks: dict[OffloadKey, ChunkStatus] = {}
         self._resident: set[OffloadKey] = set()  # in the inner policy (once applied)

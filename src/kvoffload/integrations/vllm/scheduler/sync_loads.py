@@ -44,11 +44,6 @@ DEFAULT_SYNC_LOAD_BUDGET_BYTES = 64 << 20
 BUDGET_KEY = "sync_load_budget_bytes"
 
 
-def native_sync_loads(connector_scheduler: Any) -> bool:
-    """Whether this vLLM's offloading scheduler has synchronous loads (0.33 does)."""
-    return hasattr(connector_scheduler, "_reserve_sync_load")
-
-
 def kv_bytes_per_token(kv_cache_config: Any, group_ids: Iterable[int]) -> int:
     """KV bytes of one token on one worker, summed over the offloaded groups."""
     total = 0
@@ -175,9 +170,9 @@ def finish_sync_loads(connector_worker: Any, metadata: Any) -> None:
     ``finished_recving`` (0.32's scheduler asserts a finished load's request
     is waiting or finished): their entries name no request.
     """
-    jobs = getattr(metadata, "sync_load_jobs", None)
-    if not jobs:
+    if not isinstance(metadata, SyncLoadMetadata) or not metadata.sync_load_jobs:
         return
+    jobs = metadata.sync_load_jobs
     for job_id in jobs:
         connector_worker._load_jobs[job_id] = None
     connector_worker.worker.wait(set(jobs))

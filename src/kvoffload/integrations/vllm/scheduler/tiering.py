@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -39,7 +38,9 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
+from kvoffload.integrations.vllm.scheduler.policies import KVOffloadVLLMPolicy
 from kvoffload.integrations.vllm.scheduler.store_threshold import StoreThreshold
+from kvoffload.integrations.vllm.tiers.base import KVOffloadTierBase
 
 
 class KVOffloadTieringManager(TieringOffloadingManager):
@@ -55,9 +56,13 @@ class KVOffloadTieringManager(TieringOffloadingManager):
         *args: Any,
         store_threshold: int = 0,
         max_tracker_size: int = 64_000,
+        cpu_policy: KVOffloadVLLMPolicy | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        #: The CPU tier's policy when it is one of kvoffload's (queue and session hints
+        #: go to it); kvoffload's record, as vLLM keeps the object it built private.
+        self.cpu_policy = cpu_policy
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
         self._threshold = StoreThreshold(store_threshold, max_tracker_size)
@@ -66,13 +71,6 @@ class KVOffloadTieringManager(TieringOffloadingManager):
         self.lookup_calls = 0
         #: Blocks promoted (lookups that started a load into the CPU tier), by tier index.
         self.promotions_by_tier: dict[int, int] = {}
-
-    if not hasattr(TieringOffloadingManager, "lock"):  # vLLM 0.32: one thread, no lock
-
-        @property
-        def lock(self) -> AbstractContextManager[Any]:
-            """vLLM 0.33's manager lock; 0.32's tiering manager is entered from one thread."""
-            return nullcontext()
 
     def lookup(
         self,
@@ -120,12 +118,5 @@ class KVOffloadTieringManager(TieringOffloadingManager):
         super().reset_cache()
         self._threshold.clear()
         for tier in self.secondary_tiers:
-            reset = getattr(tier, "reset_cache", None)
-            if reset is None:
-                # A kvoffload tier without its own reset: its kvoffload manager's.
-                inner = getattr(tier, "manager", None)
-                reset = getattr(inner, "reset_cache", None)
-                if reset is not None:
-                    reset(force=True)
-                continue
-            reset()
+            if isinstance(tier, KVOffloadTierBase):
+                tier.reset_cache()

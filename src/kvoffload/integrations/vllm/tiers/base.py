@@ -160,6 +160,11 @@ class KVOffloadTierBase(SecondaryTierManager):
     def _close_store(self) -> None:
         raise NotImplementedError
 
+    def reset_cache(self) -> None:
+        """Forget the tier's blocks at vLLM's ``reset_prefix_cache`` (called by
+        ``KVOffloadTieringManager``; vLLM's own reset leaves secondary tiers alone).
+        Nothing by default."""
+
     def _gauges(self) -> dict[str, float]:
         return {}
 

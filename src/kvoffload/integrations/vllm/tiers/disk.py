@@ -68,6 +68,7 @@ from kvoffload.integrations.vllm.tiers.metrics import (
     STORES_DROPPED,
     WRITE_ERRORS,
 )
+from kvoffload.offload.base import BlockIDsLoadStoreSpec
 from kvoffload.offload.base import OffloadKey as KVOKey
 from kvoffload.tiers.config import TierConfigError
 from kvoffload.tiers.disk.manager import DiskOffloadingManager
@@ -209,12 +210,14 @@ class KVOffloadDiskTier(KVOffloadTierBase):
         if not out.keys_to_store:
             return True
         new = [OffloadKey(k) for k in out.keys_to_store]
+        spec = out.store_spec
+        assert isinstance(spec, BlockIDsLoadStoreSpec)  # the disk manager's slots
         return IOJob(
             job.job_id,
             False,
             new,
             [chunk_of[k] for k in new],
-            slots=[int(s) for s in out.store_spec.block_ids],
+            slots=[int(s) for s in spec.block_ids],
         )
 
     def _begin_load(self, job: TransferJob, keys: list[OffloadKey], chunks: list[int]) -> IOJob:
@@ -270,6 +273,10 @@ class KVOffloadDiskTier(KVOffloadTierBase):
             CAPACITY_BYTES: float(self.capacity_blocks * self.slot_bytes),
             AVAILABLE: 1.0,
         }
+
+    def reset_cache(self) -> None:
+        """The disk tier forgets and deletes its blocks (forced: vLLM drops jobs in flight)."""
+        self.manager.reset_cache(force=True)
 
     def _close_store(self) -> None:
         store = getattr(self, "store", None)

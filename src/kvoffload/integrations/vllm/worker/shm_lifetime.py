@@ -245,10 +245,10 @@ class RegionLease:
             try:
                 fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
             except FileNotFoundError:
-                fd = _publish(path, region_bytes, expected)
-                if fd is None:
+                published = _publish(path, region_bytes, expected)
+                if published is None:
                     continue  # a peer published first: join it
-                return cls(path, fd, region_bytes, expected, created=True)
+                return cls(path, published, region_bytes, expected, created=True)
             lease = cls._join(path, fd, region_bytes, expected)
             if lease is not None:
                 return lease

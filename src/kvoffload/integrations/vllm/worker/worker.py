@@ -295,7 +295,7 @@ class KVOffloadWorker(OffloadingWorker):
         inner, op_id = self._inner(dst_spec)
         gpu, cpu = self._pair(src_spec, inner)
         self._jobs[job_id] = _Job(op_id, [], False)
-        self.worker.submit_store(job_id, (gpu, cpu))  # type: ignore[arg-type]
+        self.worker.submit_store(job_id, (gpu, cpu))
         return True
 
     def submit_load(
@@ -314,9 +314,9 @@ class KVOffloadWorker(OffloadingWorker):
         layers = self.layer_stages
         if expedited and layers is not None and layers.armed:
             layers.add(job_id)
-            self.worker.submit_load(job_id, (cpu, gpu), True, layers.stages)  # type: ignore[arg-type]
+            self.worker.submit_load(job_id, (cpu, gpu), True, layers.stages)
         else:
-            self.worker.submit_load(job_id, (cpu, gpu), expedited)  # type: ignore[arg-type]
+            self.worker.submit_load(job_id, (cpu, gpu), expedited)
         return True
 
     def expedite(self, job_ids: set[int]) -> None:
