@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 
 from kvoffload.bench.policy.mooncake import MooncakeRequest, replay_mooncake
-from kvoffload.bench.policy.offload import replay
+from kvoffload.bench.policy.replay import replay
 from kvoffload.bench.policy.traces import generate, trace_keys
 from kvoffload.offload import CPUOffloadingManager, OffloadKey
 

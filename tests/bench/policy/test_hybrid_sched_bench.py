@@ -11,7 +11,7 @@ import json  # noqa: E402
 
 import pytest  # noqa: E402
 
-from kvoffload.bench.policy import hybrid_sched  # noqa: E402
+from kvoffload.bench.policy import hybrid_sched, sched_side  # noqa: E402
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -21,8 +21,8 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_layer_kinds_give_the_asked_number_of_groups() -> None:
-    assert hybrid_sched.layer_kinds(2, 128).count(("full", None)) == 2
-    assert hybrid_sched.layer_kinds(4, 1024).count(("sliding", 1024)) == 6
+    assert sched_side.layer_kinds(2, 128).count(("full", None)) == 2
+    assert sched_side.layer_kinds(4, 1024).count(("sliding", 1024)) == 6
 
 
 def test_tiny_run_prints_one_json_object_with_both_specs(

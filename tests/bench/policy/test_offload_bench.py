@@ -7,10 +7,9 @@ import pytest
 
 from kvoffload.bench.policy import vllm_replay as offload_vllm
 from kvoffload.bench.policy.mooncake import MooncakeRequest, full_blocks
-from kvoffload.bench.policy.offload import (
-    ORACLE_ROW,
+from kvoffload.bench.policy.offload import ORACLE_ROW, bench
+from kvoffload.bench.policy.replay import (
     belady_hit_rate,
-    bench,
     ceiling_hit_rate,
     parse_capacity,
     replay,
@@ -247,7 +246,7 @@ def test_lookahead_hints_reach_the_policy_and_pay() -> None:
 
 
 def test_lookahead_announces_exactly_the_requests_within_the_window() -> None:
-    from kvoffload.bench.policy import offload as offload_bench
+    from kvoffload.bench.policy import replay as replay_module
 
     calls: list[tuple[str, str]] = []
 
@@ -260,12 +259,12 @@ def test_lookahead_announces_exactly_the_requests_within_the_window() -> None:
 
     trace = ids_trace([1], [2], [3], [4])
     times = [0.0, 400.0, 900.0, 5000.0]
-    orig = offload_bench.CPUOffloadingManager
-    offload_bench.CPUOffloadingManager = Spy  # type: ignore[misc]
+    orig = replay_module.CPUOffloadingManager
+    replay_module.CPUOffloadingManager = Spy  # type: ignore[misc]
     try:
         replay(trace, "lru", 2, times, lookahead_ms=1000.0)
     finally:
-        offload_bench.CPUOffloadingManager = orig  # type: ignore[misc]
+        replay_module.CPUOffloadingManager = orig  # type: ignore[misc]
     assert calls == [
         ("q", "0"), ("q", "1"), ("q", "2"), ("d", "0"),
         ("d", "1"),
@@ -336,7 +335,7 @@ def test_session_continues_marks_requests_a_later_one_extends() -> None:
 
 
 def test_session_oracle_hints_reach_the_manager_once_each_request_is_served() -> None:
-    from kvoffload.bench.policy import offload as offload_bench
+    from kvoffload.bench.policy import replay as replay_module
 
     calls: list[object] = []
 
@@ -350,12 +349,12 @@ def test_session_oracle_hints_reach_the_manager_once_each_request_is_served() ->
             super().hint_continues(keys)  # type: ignore[arg-type]
 
     trace = ids_trace([1, 2], [9], [1, 2, 3])
-    orig = offload_bench.CPUOffloadingManager
-    offload_bench.CPUOffloadingManager = Spy  # type: ignore[misc]
+    orig = replay_module.CPUOffloadingManager
+    replay_module.CPUOffloadingManager = Spy  # type: ignore[misc]
     try:
         replay(trace, "queue_arms", 4, continues=session_continues(trace))
     finally:
-        offload_bench.CPUOffloadingManager = orig  # type: ignore[misc]
+        replay_module.CPUOffloadingManager = orig  # type: ignore[misc]
     assert calls == [
         ("lookup", trace[0]),
         ("continues", trace[0]),  # after request 0 is served, before request 1

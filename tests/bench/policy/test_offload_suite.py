@@ -15,7 +15,7 @@ import pytest
 from kvoffload.bench.policy import suite
 from kvoffload.bench.policy import suite_cache as offload_suite_cache
 from kvoffload.bench.policy import vllm_replay as offload_vllm
-from kvoffload.bench.policy.offload import Trace
+from kvoffload.bench.policy.replay import Trace
 from kvoffload.cli.main import main
 from kvoffload.offload import DEFAULT_CACHE_POLICY
 

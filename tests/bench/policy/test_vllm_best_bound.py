@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvoffload.bench.policy import offload
 from kvoffload.bench.policy import vllm_replay as offload_vllm
+from kvoffload.bench.policy.replay import replay
 from kvoffload.offload import OffloadKey, make_offload_key
 from kvoffload.offload.policies import CachePolicy, all_policies
 from tests.vllm_required import need_vllm
@@ -58,7 +58,7 @@ def test_every_policy_trails_the_better_one_on_some_trace(
     below = []
     for last, trace in _traces(capacity).items():
         best = max(_vllm_hits(trace, row, capacity) for row in offload_vllm.ROWS)
-        ours = offload.replay(trace, policy, capacity).hit_blocks
+        ours = replay(trace, policy, capacity).hit_blocks
         assert ours <= best, (last, ours, best)  # nothing can beat 2 hits here
         if ours < best:
             below.append(last)

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from kvoffload.bench.vllm import driver
 from kvoffload.bench.vllm import engine as vllm_engine
+from kvoffload.bench.vllm.driver import find_engine_python, work_units
 from kvoffload.bench.vllm.engine import (
     batch_rounds,
-    find_engine_python,
     round_robin_prompts,
     summarize,
-    work_units,
     workload_phases,
 )
 from kvoffload.bench.vllm.model import FIRST_WORD_ID, VOCAB_SIZE
@@ -84,15 +84,15 @@ def test_engine_python_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\n")
     fake.chmod(0o755)
-    monkeypatch.setenv(vllm_engine.ENGINE_PYTHON_ENV, str(fake))
+    monkeypatch.setenv(driver.ENGINE_PYTHON_ENV, str(fake))
     assert find_engine_python() == fake
     assert find_engine_python(str(fake)) == fake
-    monkeypatch.setenv(vllm_engine.ENGINE_PYTHON_ENV, str(tmp_path / "missing"))
-    monkeypatch.setattr(vllm_engine, "REPO_ROOT", tmp_path)
+    monkeypatch.setenv(driver.ENGINE_PYTHON_ENV, str(tmp_path / "missing"))
+    monkeypatch.setattr(driver, "REPO_ROOT", tmp_path)
     monkeypatch.chdir(tmp_path)
     assert find_engine_python() is None
     # A venv whose Python exists but without vLLM yet (an install in progress) is no engine.
-    venv = tmp_path / vllm_engine.ENGINE_VENV
+    venv = tmp_path / driver.ENGINE_VENV
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text("#!/bin/sh\n")
     (venv / "bin" / "python").chmod(0o755)
@@ -104,20 +104,20 @@ def test_engine_python_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_engine_env_keeps_a_shared_machine_usable() -> None:
-    env = vllm_engine.engine_env({"PATH": "/bin"})
+    env = driver.engine_env({"PATH": "/bin"})
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert env["OMP_NUM_THREADS"] == "1"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
-    assert str(vllm_engine.REPO_ROOT) in env["PYTHONPATH"].split(":")
+    assert str(driver.REPO_ROOT) in env["PYTHONPATH"].split(":")
     # A user's own settings win.
-    assert vllm_engine.engine_env({"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
+    assert driver.engine_env({"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
 
 
 def test_bench_without_an_engine_says_how_to_get_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv(vllm_engine.ENGINE_PYTHON_ENV, raising=False)
-    monkeypatch.setattr(vllm_engine, "REPO_ROOT", tmp_path)
+    monkeypatch.delenv(driver.ENGINE_PYTHON_ENV, raising=False)
+    monkeypatch.setattr(driver, "REPO_ROOT", tmp_path)
     monkeypatch.chdir(tmp_path)
     parser = argparse.ArgumentParser()
     vllm_engine.add_arguments(parser)

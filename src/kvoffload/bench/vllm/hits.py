@@ -259,7 +259,7 @@ def bench_model(
     visits: int,
     on_progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
-    from kvoffload.bench.vllm.engine import ensure_model, run_engines
+    from kvoffload.bench.vllm.driver import ensure_model, run_engines
 
     model = ensure_model(python, model_dir, layers=layers, hidden=hidden)
     rounds = hit_prompts(visits=visits)
@@ -274,6 +274,36 @@ def bench_model(
     return summary
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--hits`` flags of ``kvoffload bench vllm``."""
+    from kvoffload.cli import argtypes
+
+    parser.add_argument(
+        "--hits",
+        action="store_true",
+        help="issue 31's table instead: TTFT of a miss, a device hit, a kvoffload CPU-tier "
+        "hit (sync and async loads) and the suffix alone, steps a hit waits, load GB/s",
+    )
+    parser.add_argument(
+        "--profile-hit",
+        action="store_true",
+        help="with the --hits table, where a hit's time goes per connector hook",
+    )
+    parser.add_argument(
+        "--hit-models",
+        nargs="+",
+        choices=("4x512", "8x1024"),
+        default=["4x512"],
+        help="--hits models, layers x hidden (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--hit-visits",
+        type=argtypes.positive_int(16, minimum=2),
+        default=3,
+        help="--hits visits per prefix, the first one cold (default: %(default)s)",
+    )
+
+
 def total_work(visits: int) -> int:
     rounds = 8 * visits
     return 5 + 16 + rounds * 4  # engine starts, miss + suffix, four engines' visits
@@ -282,7 +312,7 @@ def total_work(visits: int) -> int:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from kvoffload.bench.vllm.engine import default_model_dir, find_engine_python, work_bar
+    from kvoffload.bench.vllm.driver import default_model_dir, find_engine_python, work_bar
 
     python = find_engine_python(args.engine_python)
     if python is None:
@@ -316,46 +346,52 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def print_report(report: dict[str, Any], breakdown: bool) -> None:
-    from rich.console import Console
+_HIT_COLUMNS = (
+    "row",
+    "p50 ms",
+    "mean ms",
+    "x device hit (95%)",
+    "gap closed",
+    "steps, ms waited",
+    "load MB",
+    "load GB/s",
+    "bulk GB/s",
+    "hot bulk",
+    "load/bulk",
+    "blocking ms",
+    "blocking GB/s",
+)
+_KVOFFLOAD_HIT_ROWS = ("kvoffload hit", "kvoffload hit, async loads")
+
+
+def _profile_cells(prof: dict[str, Any] | None) -> list[str]:
+    """The profile's columns of one row (blank without ``--profile-hit``)."""
+    if not prof:
+        return [""] * 8
+    bulk = bool(prof["bulk_gbps"])
+    return [
+        f"{prof['steps_waited_mean']:.2f} (max {prof['steps_waited_max']}), "
+        f"{prof['wait_ms_mean']:.1f} ms",
+        f"{prof['load_mb_mean']:.1f}",
+        f"{prof['load_gbps']:.1f}",
+        f"{prof['bulk_gbps']:.1f}" if bulk else "-",
+        f"{prof['bulk_hot_gbps']:.1f}" if bulk else "-",
+        f"{prof['load_vs_bulk']:.2f}" if bulk else "-",
+        f"{prof['blocking_ms']:.2f}",
+        f"{prof['blocking_gbps']:.1f}",
+    ]
+
+
+def _hit_table(report: dict[str, Any]) -> Any:
     from rich.table import Table
 
-    console = Console(width=max(Console().width, 200))  # piped: every row on one line
     t = Table(
         title=f"TTFT of a revisit, vLLM {report['vllm_version']} CPU engine, "
         f"{report['layers']} layers x hidden {report['hidden']} (serial requests, greedy)"
     )
-    for col in (
-        "row",
-        "p50 ms",
-        "mean ms",
-        "x device hit (95%)",
-        "gap closed",
-        "steps, ms waited",
-        "load MB",
-        "load GB/s",
-        "bulk GB/s",
-        "hot bulk",
-        "load/bulk",
-        "blocking ms",
-        "blocking GB/s",
-    ):
+    for col in _HIT_COLUMNS:
         t.add_column(col, justify="right")
     for label, row in report["rows"].items():
-        prof = row.get("profile")
-        extra = ["", "", "", "", "", "", "", ""]
-        if prof:
-            extra = [
-                f"{prof['steps_waited_mean']:.2f} (max {prof['steps_waited_max']}), "
-                f"{prof['wait_ms_mean']:.1f} ms",
-                f"{prof['load_mb_mean']:.1f}",
-                f"{prof['load_gbps']:.1f}",
-                f"{prof['bulk_gbps']:.1f}" if prof["bulk_gbps"] else "-",
-                f"{prof['bulk_hot_gbps']:.1f}" if prof["bulk_gbps"] else "-",
-                f"{prof['load_vs_bulk']:.2f}" if prof["bulk_gbps"] else "-",
-                f"{prof['blocking_ms']:.2f}",
-                f"{prof['blocking_gbps']:.1f}",
-            ]
         t.add_row(
             label,
             f"{row['ttft_p50_ms']:.1f}",
@@ -367,9 +403,43 @@ def print_report(report: dict[str, Any], breakdown: bool) -> None:
                 else ""
             ),
             f"{100 * row['gap_closed']:.1f}%",
-            *extra,
+            *_profile_cells(row.get("profile")),
         )
-    console.print(t)
+    return t
+
+
+def _breakdown_table(report: dict[str, Any]) -> Any:
+    """Per connector hook, the time of a kvoffload hit and its share of the gap to a device hit."""
+    from rich.table import Table
+
+    device = report["rows"]["device hit"]["ttft_mean_ms"]
+    b = Table(title="per hit: where the time between a device hit and a kvoffload hit goes (ms)")
+    b.add_column("hook")
+    for label in _KVOFFLOAD_HIT_ROWS:
+        b.add_column(label, justify="right")
+        b.add_column("share of gap", justify="right")
+    names = list(report["rows"]["kvoffload hit"]["profile"]["breakdown_ms"])
+    for name in names:
+        cells = []
+        for label in _KVOFFLOAD_HIT_ROWS:
+            row = report["rows"][label]
+            gap = row["ttft_mean_ms"] - device
+            ms = row["profile"]["breakdown_ms"][name]
+            cells += [f"{ms:.2f}", f"{100 * ms / gap:.0f}%" if gap > 0 else "-"]
+        b.add_row(name, *cells)
+    gaps = []
+    for label in _KVOFFLOAD_HIT_ROWS:
+        gap = report["rows"][label]["ttft_mean_ms"] - device
+        gaps += [f"{gap:.2f}", "100%"]
+    b.add_row("TTFT over the device hit", *gaps)
+    return b
+
+
+def print_report(report: dict[str, Any], breakdown: bool) -> None:
+    from rich.console import Console
+
+    console = Console(width=max(Console().width, 200))  # piped: every row on one line
+    console.print(_hit_table(report))
     same = ", ".join(
         f"{k} {v}/{report['compared']}" for k, v in report["identical_outputs"].items()
     )
@@ -380,26 +450,5 @@ def print_report(report: dict[str, Any], breakdown: bool) -> None:
         "that loads waited for it (submission, synchronous waits, the forward pass "
         "waiting for a layer's copy), and the bytes over that time"
     )
-    if not breakdown:
-        return
-    device = report["rows"]["device hit"]["ttft_mean_ms"]
-    b = Table(title="per hit: where the time between a device hit and a kvoffload hit goes (ms)")
-    b.add_column("hook")
-    for label in ("kvoffload hit", "kvoffload hit, async loads"):
-        b.add_column(label, justify="right")
-        b.add_column("share of gap", justify="right")
-    names = list(report["rows"]["kvoffload hit"]["profile"]["breakdown_ms"])
-    for name in names:
-        cells = []
-        for label in ("kvoffload hit", "kvoffload hit, async loads"):
-            row = report["rows"][label]
-            gap = row["ttft_mean_ms"] - device
-            ms = row["profile"]["breakdown_ms"][name]
-            cells += [f"{ms:.2f}", f"{100 * ms / gap:.0f}%" if gap > 0 else "-"]
-        b.add_row(name, *cells)
-    gaps = []
-    for label in ("kvoffload hit", "kvoffload hit, async loads"):
-        gap = report["rows"][label]["ttft_mean_ms"] - device
-        gaps += [f"{gap:.2f}", "100%"]
-    b.add_row("TTFT over the device hit", *gaps)
-    console.print(b)
+    if breakdown:
+        console.print(_breakdown_table(report))
