@@ -21,12 +21,8 @@ from typing import Any
 
 import pytest
 
-from kvoffload.bench.vllm.engine import (
-    EngineRunError,
-    find_engine_python,
-    run_engines,
-    workload_phases,
-)
+from kvoffload.bench.vllm.driver import EngineRunError, find_engine_python, run_engines
+from kvoffload.bench.vllm.engine import workload_phases
 
 REQUIRE_ENV = "KVOFFLOAD_REQUIRE_VLLM_ENGINE"
 #: A CPU tier big enough for every prefix of both workloads (about 170 blocks).

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from kvoffload.bench.vllm.engine import EngineRunError, run_engines, workload_phases
+from kvoffload.bench.vllm.driver import EngineRunError, run_engines
+from kvoffload.bench.vllm.engine import workload_phases
 from kvoffload.bench.vllm.hits import PROFILED
 from tests.e2e_vllm.conftest import CPU_BYTES, ENGINE_BASE, JOB_TIMEOUT_S, outputs
 

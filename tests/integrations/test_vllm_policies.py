@@ -26,7 +26,7 @@ from vllm.v1.kv_offload.cpu.policies.base import CachePolicy  # noqa: E402
 from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory  # noqa: E402
 
 import kvoffload.integrations.vllm as kv_vllm  # noqa: E402
-from kvoffload.bench.policy.offload import replay as kvoffload_replay  # noqa: E402
+from kvoffload.bench.policy.replay import replay as kvoffload_replay  # noqa: E402
 from kvoffload.bench.policy.traces import generate, trace_keys, trace_times  # noqa: E402
 from kvoffload.integrations.vllm.scheduler.policies import (  # noqa: E402
     KVOffloadVLLMPolicy,

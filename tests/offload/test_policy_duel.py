@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.bench.policy.offload import replay
+from kvoffload.bench.policy.replay import replay
 from kvoffload.bench.policy.traces import generate, trace_keys
 from kvoffload.offload import CPUOffloadingManager, OffloadKey
 from kvoffload.offload.policies.default import ChainLRUPolicy

@@ -18,7 +18,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from kvoffload.bench.policy.offload import belady_hit_rate, replay
+from kvoffload.bench.policy.replay import belady_hit_rate, replay
 from kvoffload.bench.policy.traces import LOOP_CAPACITY, generate, trace_keys, trace_times
 from kvoffload.offload import CPUOffloadingManager, OffloadKey
 from kvoffload.offload.policies.default.arms import BIP, ArmsChainLRUPolicy

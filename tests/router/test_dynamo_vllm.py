@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from kvoffload.bench.routing.indexer import DynamoIndexer, TierOverlap
-from kvoffload.bench.vllm.engine import EngineRunError, find_engine_python, run_engines
+from kvoffload.bench.vllm.driver import EngineRunError, find_engine_python, run_engines
 from tests.conftest_redis import free_port
 from tests.router.conftest import register_when_bound
 from tests.router.stream import StreamHoldings
