@@ -177,8 +177,7 @@ def _one_of(config: Mapping[str, Any], ours: str, theirs: str) -> tuple[str, Any
     return None
 
 
-def parse_settings(config: Mapping[str, Any]) -> KVOffloadSettings:
-    """Check ``config`` (``kv_connector_extra_config``); ``KVOffloadConfigError`` names the key."""
+def _check_keys(config: Mapping[str, Any]) -> None:
     known = set(KVOFFLOAD_KEYS) | set(VLLM_KEYS)
     for key in config:
         if key in UNSUPPORTED_KEYS:
@@ -191,10 +190,10 @@ def parse_settings(config: Mapping[str, Any]) -> KVOffloadSettings:
                 + " and vLLM's "
                 + ", ".join(VLLM_KEYS),
             )
-    cpu = _one_of(config, "cpu_bytes", "cpu_bytes_to_use")
-    if cpu is None:
-        raise _fail("cpu_bytes", 'missing: the CPU tier\'s budget, e.g. "64GiB"')
-    cpu_bytes = _size(*cpu)
+
+
+def _policy(config: Mapping[str, Any]) -> tuple[str, str | None, str | None]:
+    """``(cache_policy, cache_policy_module_path, vLLM policy class name)``."""
     policy = _one_of(config, "cache_policy", "eviction_policy")
     cache_policy = DEFAULT_CACHE_POLICY
     module_path = config.get("cache_policy_module_path")
@@ -220,6 +219,11 @@ def parse_settings(config: Mapping[str, Any]) -> KVOffloadSettings:
         if not isinstance(value, str) or value not in names:
             raise _fail(key, f"unknown policy {value!r}; known: {', '.join(names)}")
         cache_policy = value
+    return cache_policy, module_path, vllm_policy
+
+
+def _lower_tiers(config: Mapping[str, Any]) -> tuple[str | None, int | None, str | None]:
+    """``(disk_dir, disk_bytes, redis_url)``, each None where not configured."""
     disk_dir = config.get("disk_dir")
     if disk_dir is not None and (not isinstance(disk_dir, str) or not disk_dir.strip()):
         raise _fail("disk_dir", f"expected a directory path, got {disk_dir!r}")
@@ -237,9 +241,11 @@ def parse_settings(config: Mapping[str, Any]) -> KVOffloadSettings:
             redis_url = parse_redis_url(redis_url, where="kv_connector_extra_config")
         except TierConfigError as exc:
             raise KVOffloadConfigError(str(exc)) from None
-    write_through = _bool("write_through", config.get("write_through", False))
-    if write_through and disk_dir is None and redis_url is None:
-        raise _fail("write_through", "needs a lower tier (disk_dir or redis_url)")
+    return disk_dir, disk_bytes, redis_url
+
+
+def _check_vllm_keys(config: Mapping[str, Any]) -> None:
+    """vLLM's own keys that kvoffload passes on: checked here so a bad one fails in one line."""
     for key in ("offload_prompt_only", "self_describing_kv_events"):
         if key in config:
             _bool(key, config[key])
@@ -250,16 +256,40 @@ def parse_settings(config: Mapping[str, Any]) -> KVOffloadSettings:
             raise _fail(key, "must be positive")
     if "sync_load_budget_bytes" in config:
         _nonneg_int("sync_load_budget_bytes", config["sync_load_budget_bytes"])
+
+
+def _poll_interval(config: Mapping[str, Any]) -> float | None:
+    poll = config.get("tier_poll_interval_s")
+    if poll is None:
+        return None
+    try:
+        return float(poll)
+    except (TypeError, ValueError):
+        raise _fail("tier_poll_interval_s", f"expected seconds, got {poll!r}") from None
+
+
+def parse_settings(config: Mapping[str, Any]) -> KVOffloadSettings:
+    """Check ``config`` (``kv_connector_extra_config``); ``KVOffloadConfigError`` names the key.
+
+    Keys are checked in a fixed order (unknown keys, CPU budget, policy, lower
+    tiers, write-through, vLLM's keys, store threshold, poll interval): with
+    several bad keys the message names the first in that order.
+    """
+    _check_keys(config)
+    cpu = _one_of(config, "cpu_bytes", "cpu_bytes_to_use")
+    if cpu is None:
+        raise _fail("cpu_bytes", 'missing: the CPU tier\'s budget, e.g. "64GiB"')
+    cpu_bytes = _size(*cpu)
+    cache_policy, module_path, vllm_policy = _policy(config)
+    disk_dir, disk_bytes, redis_url = _lower_tiers(config)
+    write_through = _bool("write_through", config.get("write_through", False))
+    if write_through and disk_dir is None and redis_url is None:
+        raise _fail("write_through", "needs a lower tier (disk_dir or redis_url)")
+    _check_vllm_keys(config)
     store_threshold = _nonneg_int("store_threshold", config.get("store_threshold", 0))
     max_tracker_size = _nonneg_int("max_tracker_size", config.get("max_tracker_size", 64_000))
     if max_tracker_size == 0:
         raise _fail("max_tracker_size", "must be positive")
-    poll = config.get("tier_poll_interval_s")
-    if poll is not None:
-        try:
-            poll = float(poll)
-        except (TypeError, ValueError):
-            raise _fail("tier_poll_interval_s", f"expected seconds, got {poll!r}") from None
     return KVOffloadSettings(
         cpu_bytes=cpu_bytes,
         cache_policy=cache_policy,
@@ -269,7 +299,7 @@ def parse_settings(config: Mapping[str, Any]) -> KVOffloadSettings:
         write_through=write_through,
         store_threshold=store_threshold,
         max_tracker_size=max_tracker_size,
-        tier_poll_interval_s=poll,
+        tier_poll_interval_s=_poll_interval(config),
         cache_policy_module_path=module_path,
         vllm_eviction_policy=vllm_policy,
     )
