@@ -10,6 +10,7 @@
 - ``tiered_records``, ``write_down``: its jobs in flight and counters; the copies down the stack;
 - ``tiered_handler``: GPU <-> CPU <-> disk / Redis jobs on the worker side;
 - ``config``: ``TierConfig`` (what the lower tiers take, checked once) and ``TierIdentity``;
+- ``building``: what each tier's ``build.py`` takes and returns (``TierContext``, ``BuiltTier``);
 - ``stack``: building the tiers behind a CPU tier (``make_tiers``).
 
 Names are loaded lazily: ``import kvoffload.tiers`` costs nothing until a

@@ -10,10 +10,11 @@ by an incompatible engine, a malformed Redis URL, rejected credentials) are
 raised here, before the engine starts serving; an unreachable Redis server
 is only a warning (the tier starts in an outage and recovers on its own).
 
-Each tier is one builder here (``build_disk``, ``build_redis``): it opens
-the tier's store and returns a ``BuiltTier`` (manager, handler, store);
+Each tier folder has one builder (``disk/build.py``, ``redis/build.py``,
+``mooncake/build.py``; the contract is ``building``'s): it opens the tier's
+store and returns a ``BuiltTier`` (manager, handler, store).
 ``TIER_BUILDERS`` lists them in stacking order (a new tier adds its builder
-there). ``make_tiers`` stacks what they build and closes every part already
+there). ``make_tiers`` stacks what they build and closes every tier already
 built when a later one fails.
 
 Tier identity: both lower tiers are keyed by ``identity.tier_fingerprint``,
@@ -30,68 +31,32 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import torch
 
-from kvoffload.offload.base import OffloadKey
 from kvoffload.offload.cpu_manager import CPUOffloadingManager
 from kvoffload.offload.media import CPU_MEDIUM, GPU_MEDIUM
+from kvoffload.tiers.building import BuiltTier, TierContext
 from kvoffload.tiers.config import TierConfig, TierIdentity
-from kvoffload.tiers.disk.handler import DiskTransferHandler
-from kvoffload.tiers.disk.manager import DiskOffloadingManager
+from kvoffload.tiers.disk.build import build_disk
 from kvoffload.tiers.disk.store import DiskBlockStore
 from kvoffload.tiers.identity import tier_fingerprint
-from kvoffload.tiers.lower_tier import TIERED_MEDIUM, LowerTierManager
+from kvoffload.tiers.lower_tier import TIERED_MEDIUM
 from kvoffload.tiers.mooncake.build import build_mooncake
-from kvoffload.tiers.redis.handler import RedisTransferHandler
-from kvoffload.tiers.redis.manager import RemoteOffloadingManager
-from kvoffload.tiers.redis.presence import PresenceCache
+from kvoffload.tiers.redis.build import build_redis
 from kvoffload.tiers.redis.store import RedisBlockStore
-from kvoffload.tiers.slot_io import SlotTierHandler
 from kvoffload.tiers.tiered_handler import TieredTransferHandler
 from kvoffload.tiers.tiered_manager import TieredOffloadingManager
 from kvoffload.transfer.host_pool import HostPool
 from kvoffload.transfer.layout import KVLayout
 from kvoffload.transfer.worker import OffloadingWorker, make_cpu_gpu_handler
 
+__all__ = ["TIER_BUILDERS", "BuiltTier", "LowerTiers", "TierContext", "make_tiers"]
+
 CPU = CPU_MEDIUM
 GPU = GPU_MEDIUM
 T = TypeVar("T")
-
-
-class Closable(Protocol):
-    def close(self) -> None: ...
-
-
-@dataclass
-class BuiltTier:
-    """One lower tier, both sides: its manager, its handler, and the store they share."""
-
-    manager: LowerTierManager
-    handler: SlotTierHandler
-    store: Closable
-
-    def close(self) -> None:
-        """Manager (background threads) first, then the handler's jobs, then the store."""
-        self.manager.close()
-        self.handler.close()
-        self.store.close()
-
-
-@dataclass(frozen=True)
-class TierContext:
-    """What every tier builder takes: the configuration and the CPU tier's facts."""
-
-    config: TierConfig
-    identity: TierIdentity
-    host_pool: HostPool
-    #: The tiers' fingerprint (``identity.tier_fingerprint``).
-    fingerprint: str
-
-    @property
-    def slot_bytes(self) -> int:
-        return self.host_pool.slot_bytes
 
 
 @dataclass
@@ -138,68 +103,6 @@ class LowerTiers:
         self.handler.close()
         for tier in self.tiers:
             tier.close()
-
-
-def build_disk(ctx: TierContext) -> BuiltTier | None:
-    """The disk tier (``config.disk_dir``), seeded with the blocks its directory still holds.
-
-    Its budget is counted in CPU slots of the host pool.
-    """
-    config = ctx.config
-    if not config.disk_dir:
-        return None
-    disk_blocks = config.disk_slots(ctx.slot_bytes)
-    store = DiskBlockStore(
-        config.disk_dir,
-        ctx.slot_bytes,
-        disk_blocks,
-        ctx.fingerprint,
-        hash_fn=ctx.identity.hash_fn,
-        direct_io=config.direct_io,
-    )
-    try:
-        restored = [(OffloadKey(e.key), e.slot) for e in store.entries()]
-        manager = DiskOffloadingManager(
-            disk_blocks, config.enable_events, restored, clear_store=store.clear
-        )
-        handler = DiskTransferHandler(store, ctx.host_pool, config.num_threads)
-    except BaseException:
-        store.close()
-        raise
-    return BuiltTier(manager, handler, store)
-
-
-def build_redis(ctx: TierContext) -> BuiltTier | None:
-    """The Redis / Valkey tier (``config.redis_url``); an unreachable server starts it down."""
-    config = ctx.config
-    if not config.redis_url:
-        return None
-    store = RedisBlockStore(
-        config.redis_url,
-        config.redis_namespace,
-        ctx.slot_bytes,
-        ttl_s=config.redis_ttl_s,
-        timeout_s=config.redis_timeout_s,
-        geometry_fingerprint=ctx.fingerprint,
-        hash_fn=ctx.identity.hash_fn,
-    )
-    manager: RemoteOffloadingManager | None = None
-    try:
-        presence = PresenceCache(store.contains_many) if config.redis_async_presence else None
-        manager = RemoteOffloadingManager(
-            store.contains_many,
-            lambda: store.available,
-            config.enable_events,
-            presence=presence,
-            ownership=store.ownership,
-        )
-        handler = RedisTransferHandler(store, ctx.host_pool, config.num_threads)
-    except BaseException:
-        if manager is not None:
-            manager.close()
-        store.close()
-        raise
-    return BuiltTier(manager, handler, store)
 
 
 #: The lower tiers in stacking order (a lookup asks them in this order).

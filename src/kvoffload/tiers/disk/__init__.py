@@ -7,7 +7,7 @@ files), ``catalog`` (which key is in which slot, in memory) and ``index``
 that a directory was written for this model and geometry, and locks it;
 ``manager`` is the scheduler-side bookkeeping (which key is in which slot,
 eviction, events); ``handler`` moves bytes between CPU slots and the store
-on the worker side.
+on the worker side; ``build`` opens the store and builds both sides over it.
 """
 
 from kvoffload.tiers.disk.handler import DiskTransferHandler

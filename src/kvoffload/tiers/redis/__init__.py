@@ -6,7 +6,7 @@ from the tier fingerprint; ``urls`` checks and redacts server URLs;
 behind a ``breaker`` that a ``probe`` reopens; ``manager`` is the
 scheduler-side view of what the server holds, with ``presence`` learning it
 off the scheduler thread; ``handler`` moves bytes between CPU slots and the
-store.
+store; ``build`` opens the store and builds both sides over it.
 """
 
 from kvoffload.tiers.redis.handler import RedisTransferHandler

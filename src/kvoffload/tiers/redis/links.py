@@ -62,9 +62,36 @@ def _client_kwargs(timeout_s: float) -> dict[str, Any]:
 
 
 class Links:
-    """How a store reaches its server(s); subclasses route keys."""
+    """How a store reaches its server(s) at ``url``; subclasses route keys.
 
-    shown_url: str
+    ``shown_url`` is the URL for messages (no password); every socket call is
+    bounded by ``timeout_s``; a target's breaker waits ``retry_s`` after a
+    failure, doubling up to ``max_retry_s``, and warns on ``log``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        shown_url: str,
+        timeout_s: float,
+        retry_s: float,
+        max_retry_s: float,
+        log: logging.Logger = logger,
+    ) -> None:
+        self.shown_url = shown_url
+        self._timeout_s = timeout_s
+        self._retry = (retry_s, max_retry_s)
+        self._log = log
+        self._open(url)
+
+    def _open(self, url: str) -> None:
+        """Make the clients for ``url`` (at construction; nothing is sent yet)."""
+        raise NotImplementedError
+
+    def _breaker(self, name: str, shown: str, client: redis.Redis | None = None) -> Breaker:
+        """A breaker with these links' retry and log; with ``client``, probed by a PING."""
+        probe = None if client is None else ping_on_fresh_connection(client)
+        return Breaker(name, shown, *self._retry, self._log, probe=probe)
 
     def route(self, rkeys: Sequence[bytes]) -> list[tuple[Target, list[int]]]:
         raise NotImplementedError
@@ -143,21 +170,9 @@ class Links:
 class StandaloneLinks(Links):
     """One server (``redis://``, ``rediss://``, ``unix://``)."""
 
-    def __init__(
-        self,
-        url: str,
-        shown_url: str,
-        timeout_s: float,
-        retry_s: float,
-        max_retry_s: float,
-        log: logging.Logger = logger,
-    ) -> None:
-        self.shown_url = shown_url
-        client = redis.Redis.from_url(url, **_client_kwargs(timeout_s))
-        breaker = Breaker(
-            url, shown_url, retry_s, max_retry_s, log, probe=ping_on_fresh_connection(client)
-        )
-        self._target = Target(client, breaker)
+    def _open(self, url: str) -> None:
+        client = redis.Redis.from_url(url, **_client_kwargs(self._timeout_s))
+        self._target = Target(client, self._breaker(url, self.shown_url, client))
 
     def route(self, rkeys: Sequence[bytes]) -> list[tuple[Target, list[int]]]:
         return [(self._target, list(range(len(rkeys))))] if rkeys else []
@@ -177,21 +192,9 @@ class ClusterLinks(Links):
     nodes on first use, retried per the seeds' breaker while none answers).
     """
 
-    def __init__(
-        self,
-        url: str,
-        shown_url: str,
-        timeout_s: float,
-        retry_s: float,
-        max_retry_s: float,
-        log: logging.Logger = logger,
-    ) -> None:
-        self.shown_url = shown_url
+    def _open(self, url: str) -> None:
         self._parsed = parse_cluster_url(url)
-        self._timeout_s = timeout_s
-        self._retry = (retry_s, max_retry_s)
-        self._log = log
-        self._seeds = Breaker("seeds", shown_url, retry_s, max_retry_s, log)
+        self._seeds = self._breaker("seeds", self.shown_url)
         self._lock = threading.Lock()
         self._cluster: RedisCluster | None = None
         self._targets: dict[str, Target] = {}
@@ -231,14 +234,7 @@ class ClusterLinks(Links):
                 if t is None:
                     client = redis.Redis(host=node.host, port=node.port, **self._kwargs())
                     shown = f"{self.shown_url} (node {node.name})"
-                    breaker = Breaker(
-                        node.name,
-                        shown,
-                        *self._retry,
-                        self._log,
-                        probe=ping_on_fresh_connection(client),
-                    )
-                    t = Target(client, breaker)
+                    t = Target(client, self._breaker(node.name, shown, client))
                     self._targets[node.name] = t
         return t
 
