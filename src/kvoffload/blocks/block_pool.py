@@ -39,6 +39,7 @@ from kvoffload.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    ExternalBlockHash,
     KVEvent,
     check_events_mode,
 )
@@ -160,8 +161,8 @@ class BlockPool:
         else:
             self.kv_event_queue.extend(exact)
         for listener in self.event_listeners:
-            for event in exact:
-                listener(event)
+            for exact_event in exact:
+                listener(exact_event)
 
     @staticmethod
     def _stored_event(
@@ -225,8 +226,8 @@ class BlockPool:
                 f"{self.free_block_queue.num_free_blocks} free"
             )
         blocks = self.free_block_queue.popleft_n(num_blocks)
-        copies: list[bytes] = []  # every evicted copy (per-copy stream)
-        last: list[bytes] = []  # hashes whose last copy left (exact stream)
+        copies: list[ExternalBlockHash] = []  # every evicted copy (per-copy stream)
+        last: list[ExternalBlockHash] = []  # hashes whose last copy left (exact stream)
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is not None:

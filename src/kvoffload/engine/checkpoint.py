@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
@@ -103,7 +103,7 @@ def _open_weights(file: Path) -> Any:
 
 def _expected_tensors(model: DecoderLM) -> dict[str, torch.Tensor]:
     """Checkpoint name -> the model's parameter (tied lm_head excluded)."""
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     if model.config.tie_word_embeddings:
         params.pop("lm_head.weight", None)
     return params
@@ -176,7 +176,8 @@ def save_model(
     hf = config.to_hf_config()
     store_dtype = config.torch_dtype
     if dtype is not None:
-        store_dtype = getattr(torch, ModelConfig(dtype=dtype).dtype)
+        # ModelConfig normalises (and checks) a torch.dtype as it does a name.
+        store_dtype = getattr(torch, ModelConfig(dtype=cast(str, dtype)).dtype)
         hf["torch_dtype"] = str(store_dtype).removeprefix("torch.")
     tensors = {
         name: t.detach().to(store_dtype).contiguous().cpu()

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -164,6 +165,10 @@ class RotaryEmbedding(nn.Module):
     computed in float32 (as HF does) and cast to the model dtype.
     """
 
+    # Buffers (registered below), declared for the type checker.
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(config)
@@ -267,6 +272,10 @@ class DecoderBody(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The layers as what they are (``nn.ModuleList`` yields plain modules)."""
+        return cast("list[DecoderLayer]", list(self.layers))
+
 
 class DecoderLM(nn.Module):
     """A causal LM whose ``forward`` runs one engine step over a paged KV cache."""
@@ -288,7 +297,7 @@ class DecoderLM(nn.Module):
         dtype = cfg.torch_dtype
         shapes = {
             gemm.linear_shape(ROW_TILE, *fused.shape, dtype)
-            for layer in self.model.layers
+            for layer in self.model.decoder_layers()
             for fused in (
                 layer.self_attn.qkv,
                 layer.self_attn.out,

@@ -122,7 +122,8 @@ def checkpoint_identity(path: str | os.PathLike[str], *, use_cache: bool = True)
 
 def random_model_identity(model_config: Any, seed: int) -> str:
     """``random:seed=<seed>:<digest>`` of the embedded model's config (a dataclass or dict)."""
-    cfg = asdict(model_config) if is_dataclass(model_config) else dict(model_config)
+    is_instance = is_dataclass(model_config) and not isinstance(model_config, type)
+    cfg = asdict(model_config) if is_instance else dict(model_config)
     blob = json.dumps(cfg, sort_keys=True, default=str)
     return f"random:seed={int(seed)}:{xxhash.xxh3_64_hexdigest(blob.encode())}"
 

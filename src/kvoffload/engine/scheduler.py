@@ -131,7 +131,7 @@ class Scheduler:
         # so many that the head of the queue cannot start, nothing would ever
         # run. Give back the others' blocks (they are in the prefix cache now,
         # so they come back as GPU hits) and retry.
-        stuck = not out.scheduled and not self.running and not self.loading and self.waiting
+        stuck = not out.scheduled and not self.running and not self.loading and bool(self.waiting)
         stuck = stuck and not out.deferred  # a deferred request starts next step on its own
         if stuck and self._release_waiting_blocks():
             self._admit_waiting(budget, out)

@@ -23,7 +23,7 @@ per-key ones.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import takewhile
 from typing import cast
 
@@ -41,7 +41,8 @@ from kvoffload.offload.chunk_units import ChunkUnitPolicy, GroupLayout, uses_chu
 from kvoffload.offload.policies.base import CachePolicy
 from kvoffload.offload.policies.registry import make_policy
 
-_drain = deque(maxlen=0).extend  # runs a map for its effects at C speed
+_sink: deque[object] = deque(maxlen=0)
+_drain: Callable[[Iterable[object]], None] = _sink.extend  # a map's effects, at C speed
 
 
 #: Queue hints (blocks waiting requests need are kept, farthest need evicted first) around
@@ -176,7 +177,7 @@ class CPUOffloadingManager(OffloadingManager):
         if newly_pinned:
             self.policy.pin(newly_pinned)
         self.policy.access(keys)
-        return CPULoadStoreSpec(slots)
+        return CPULoadStoreSpec(cast("list[int]", slots))  # no None: checked above
 
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:
         keys = list(keys)
