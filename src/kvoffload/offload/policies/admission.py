@@ -29,6 +29,36 @@ from kvoffload.offload.policies.base import CachePolicy
 from kvoffload.offload.policies.lru import LRUPolicy
 
 
+class Sightings:
+    """How many times each of the ``max_keys`` most recently sighted keys was sighted.
+
+    The counter behind "store a block only on its n-th offer" (vLLM's
+    ``store_threshold``; n = 2 is second sighting): ``sight(key)`` counts one
+    sighting and returns the count; a key pushed out (least recently sighted
+    first) counts from zero again, so memory stays bounded whatever the keys.
+    """
+
+    __slots__ = ("_counts", "max_keys")
+
+    def __init__(self, max_keys: int) -> None:
+        self.max_keys = max_keys
+        self._counts: OrderedDict[OffloadKey, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def sight(self, key: OffloadKey) -> int:
+        counts = self._counts
+        n = counts.pop(key, 0) + 1
+        counts[key] = n
+        if len(counts) > self.max_keys:
+            counts.popitem(last=False)
+        return n
+
+    def clear(self) -> None:
+        self._counts.clear()
+
+
 class SecondSightPolicy(CachePolicy):
     """Second-sighting admission in front of ``inner_cls`` (set by subclasses)."""
 
