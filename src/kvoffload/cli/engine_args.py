@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
+from typing import Any
 
 # OpenMP reads its wait policy once, when torch loads it, so the default must be
 # set before the first import below pulls torch in: idle workers then sleep
@@ -137,10 +139,59 @@ def _add_offload_flags(o: argparse._ArgumentGroup, d: EngineConfig) -> None:
         default=None,
         help="redis://host:port/db for a shared remote tier",
     )
+    _add_mooncake_flags(o, d)
     o.add_argument(
         "--write-through",
         action="store_true",
         help="write every store to the lower tiers too (default: write-back)",
+    )
+
+
+def _mooncake(key: str) -> Callable[[str], Any]:
+    """An argparse type checking one Mooncake key as ``TierConfig`` does (one-line errors)."""
+
+    def parse(text: str) -> Any:
+        from kvoffload.tiers.mooncake import settings
+
+        try:
+            return settings.check({key: text})[key]
+        except settings.MooncakeSettingError as exc:
+            raise argparse.ArgumentTypeError(exc.why) from None
+
+    return parse
+
+
+def _add_mooncake_flags(o: argparse._ArgumentGroup, d: EngineConfig) -> None:
+    """The Mooncake Store tier (``kvoffload.tiers.mooncake.settings``)."""
+    o.add_argument(
+        "--mooncake-url",
+        type=_mooncake("mooncake_url"),
+        default=None,
+        help="mooncakestore://HOST:PORT: a Mooncake Store master for a shared remote tier "
+        "(instead of --redis-url)",
+    )
+    o.add_argument(
+        "--mooncake-namespace", type=_mooncake("mooncake_namespace"), default=d.mooncake_namespace
+    )
+    o.add_argument(
+        "--mooncake-metadata",
+        type=_mooncake("mooncake_metadata"),
+        default=d.mooncake_metadata,
+        help="the transfer engine's metadata: P2PHANDSHAKE, or an http:// / etcd:// server",
+    )
+    o.add_argument("--mooncake-protocol", choices=("tcp", "rdma"), default=d.mooncake_protocol)
+    o.add_argument(
+        "--mooncake-segment-bytes",
+        type=_mooncake("mooncake_segment_bytes"),
+        default=d.mooncake_segment_bytes,
+        help="memory this process contributes to the pool (e.g. 1GiB; 0: a pure client of "
+        "other holders, the default)",
+    )
+    o.add_argument(
+        "--mooncake-local-buffer-bytes",
+        type=_mooncake("mooncake_local_buffer_bytes"),
+        default=d.mooncake_local_buffer_bytes,
+        help="the Mooncake client's own transfer buffer",
     )
 
 
@@ -196,6 +247,12 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
             "num_disk_blocks",
             "disk_bytes",
             "redis_url",
+            "mooncake_url",
+            "mooncake_namespace",
+            "mooncake_metadata",
+            "mooncake_protocol",
+            "mooncake_segment_bytes",
+            "mooncake_local_buffer_bytes",
             "write_through",
             "events_endpoint",
             "events_replay_endpoint",

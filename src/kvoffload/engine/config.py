@@ -45,6 +45,13 @@ class EngineConfig:
     disk_bytes: int | None = None
     num_disk_blocks: int = 8192
     redis_url: str | None = None
+    # A Mooncake Store master (mooncakestore://HOST:PORT) and its knobs (TierConfig's keys).
+    mooncake_url: str | None = None
+    mooncake_namespace: str = "kvoffload"
+    mooncake_metadata: str = "P2PHANDSHAKE"
+    mooncake_protocol: str = "tcp"
+    mooncake_segment_bytes: int = 0
+    mooncake_local_buffer_bytes: int = 16 << 20
     write_through: bool = False
     # KV events
     events_endpoint: str | None = None
@@ -120,7 +127,7 @@ class EngineConfig:
 
     @property
     def has_lower_tiers(self) -> bool:
-        return self.disk_dir is not None or self.redis_url is not None
+        return any(x is not None for x in (self.disk_dir, self.redis_url, self.mooncake_url))
 
     def tier_config(self) -> TierConfig | None:
         """The lower tiers as one ``TierConfig`` (None: CPU tier only).
@@ -136,6 +143,12 @@ class EngineConfig:
             disk_bytes=self.disk_bytes if self.disk_dir else None,
             disk_blocks=None if self.disk_bytes or not self.disk_dir else self.num_disk_blocks,
             redis_url=self.redis_url,
+            mooncake_url=self.mooncake_url,
+            mooncake_namespace=self.mooncake_namespace,
+            mooncake_metadata=self.mooncake_metadata,
+            mooncake_protocol=self.mooncake_protocol,
+            mooncake_segment_bytes=self.mooncake_segment_bytes,
+            mooncake_local_buffer_bytes=self.mooncake_local_buffer_bytes,
             write_mode="write_through" if self.write_through else "write_back",
             enable_events=self.publishes_events,
             num_threads=self.transfer_threads,

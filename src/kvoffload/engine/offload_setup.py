@@ -54,7 +54,7 @@ def build_offload(config: EngineConfig, pool: BlockPool, runner: ModelRunner) ->
     )
     manager: OffloadingManager = cpu
     closers: tuple[object, ...] = ()
-    if config.disk_dir or config.redis_url:
+    if config.has_lower_tiers:
         from kvoffload.engine.tier_setup import build_lower_tiers
 
         manager, closers = build_lower_tiers(config, cpu, host_pool, worker, runner)

@@ -28,7 +28,7 @@ def build_lower_tiers(
     """
     tier_config = config.tier_config()
     if tier_config is None:
-        raise ValueError("EngineConfig names no lower tier (disk_dir or redis_url)")
+        raise ValueError("EngineConfig names no lower tier (disk_dir, redis_url or mooncake_url)")
     identity = TierIdentity(
         model_id=engine_model_identity(config.model_path, runner.model_config, config.seed),
         hash_fn=config.hash_fn,
