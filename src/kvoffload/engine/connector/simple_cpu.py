@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from kvoffload.blocks import BlockPool, KVCacheBlock
 from kvoffload.engine.connector.lazy import LazyStoreWalker
 from kvoffload.engine.connector.scheduler import OffloadingConnectorScheduler
-from kvoffload.hashing import BlockHash
 from kvoffload.offload.base import OffloadingManager, make_offload_key
 
 LAZY_REQ_ID = "<lazy-offload>"
@@ -66,13 +63,3 @@ class SimpleCPUOffloadScheduler(OffloadingConnectorScheduler):
             return 0
         cands = [(make_offload_key(b.block_hash, self.group_idx), [b]) for b in chosen]  # type: ignore[arg-type]
         return self.store_blocks(LAZY_REQ_ID, cands)
-
-    def on_blocks_computed(
-        self,
-        req_id: str,
-        request_blocks: Sequence[KVCacheBlock],
-        block_hashes: Sequence[BlockHash],
-        num_computed_tokens: int,
-    ) -> None:
-        if self.store_mode == "eager":
-            super().on_blocks_computed(req_id, request_blocks, block_hashes, num_computed_tokens)
