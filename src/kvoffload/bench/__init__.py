@@ -2,7 +2,7 @@
 
 - ``core``: the block pool's free queue and KV event throughput (``blocks``, ``events``);
 - ``policy``: CPU-tier cache policies replayed on traces, the policy suite, KV cache
-  groups (``offload``, ``hybrid``, ``hybrid-sched``);
+  groups (``offload``, ``hybrid``);
 - ``transfer``: GPU <-> CPU copy bandwidth (``transfer``);
 - ``tiers``: disk and Redis tiers (``tiers``, ``tiers-vllm``);
 - ``serving``: the reference engine serving a workload (``serve``, ``threads``);

@@ -52,10 +52,6 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "kvoffload.bench.policy.hybrid_replay",
         "KV cache groups: chunk units vs vLLM's lru / arc",
     ),
-    "hybrid-sched": (
-        "kvoffload.bench.policy.hybrid_sched",
-        "hybrid groups on vLLM's real scheduler",
-    ),
     "vllm": (
         "kvoffload.bench.vllm.engine",
         "a real vLLM engine on the CPU, offload off vs on (cached tokens, TTFT, identity)",

@@ -9,7 +9,9 @@
   Mooncake trace through the GPU block pool and the CPU tier (``kvoffload bench serve
   --mooncake``);
 - ``hybrid_replay``: ``kvoffload bench hybrid``: KV cache groups (full attention +
-  sliding windows) on a CPU tier, chunk units against vLLM's lru / arc;
-- ``hybrid_sched``: ``kvoffload bench hybrid-sched``: the same groups on vLLM's real
-  scheduler, kvoffload's spec against vLLM's CPU spec.
+  sliding windows) on a CPU tier, chunk units against vLLM's lru / arc
+  (``hybrid_workloads``: its prompts; ``hybrid_windows``: vLLM's per-group hit and the
+  store rules; ``hybrid_windows_bench``: ``--windows``, extra window stores at equal bytes);
+- ``replay``: the policy replay ``offload`` and ``suite`` share (lookup, load, admit, store;
+  Belady's MIN, the ceiling).
 """

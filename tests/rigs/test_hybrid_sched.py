@@ -1,4 +1,4 @@
-"""``bench hybrid-sched`` at a tiny size: both specs on vLLM's real scheduler, one JSON object."""
+"""The hybrid-sched rig at a tiny size: both specs on vLLM's real scheduler, one JSON object."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import json  # noqa: E402
 
 import pytest  # noqa: E402
 
-from kvoffload.bench.policy import hybrid_sched, sched_side  # noqa: E402
+from tests.rigs import hybrid_sched, sched_side  # noqa: E402
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -1,4 +1,4 @@
-"""One spec on vLLM 0.33's real scheduler, worker simulated: the harness of ``bench hybrid-sched``.
+"""One spec on vLLM 0.33's real scheduler, the worker simulated: ``hybrid_sched``'s harness.
 
 vLLM's own ``Scheduler`` (scheduler side only, no model) runs with a hybrid
 ``KVCacheConfig`` from vLLM's planner and ``OffloadingConnector`` (or

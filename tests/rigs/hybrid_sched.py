@@ -1,19 +1,23 @@
 """Hybrid KV cache groups on vLLM 0.33's real scheduler: kvoffload vs vLLM's CPU spec.
 
-``kvoffload bench hybrid-sched``. vLLM's own ``Scheduler`` (scheduler side
-only, no model) runs with a hybrid ``KVCacheConfig`` from vLLM's planner
-(one full-attention layer group plus one or three sliding-window groups) and
-``OffloadingConnector``, once with ``KVOffloadSpec`` (kvoffload's default
-policy, its chunk-unit layer) and once with vLLM's ``CPUOffloadingSpec``, on
-the same requests and the same CPU bytes. The worker side is simulated: every
-transfer job the scheduler issues is reported done in the step it was issued
-(what the scheduler sees of a worker that copies instantly), so both sides see
-the same timing and only scheduler-side decisions and costs are compared.
+A research rig, not a ``kvoffload bench`` command (it was ``bench hybrid-sched``):
+``python -m tests.rigs.hybrid_sched [--json ...]`` from the repository root, with
+vLLM 0.33 in the venv; ``tests/rigs/test_hybrid_sched.py`` runs it small.
+
+vLLM's own ``Scheduler`` (scheduler side only, no model) runs with a hybrid
+``KVCacheConfig`` from vLLM's planner (one full-attention layer group plus one
+or three sliding-window groups) and ``OffloadingConnector``, once with
+``KVOffloadSpec`` (kvoffload's default policy, its chunk-unit layer) and once
+with vLLM's ``CPUOffloadingSpec``, on the same requests and the same CPU bytes.
+The worker side is simulated: every transfer job the scheduler issues is
+reported done in the step it was issued (what the scheduler sees of a worker
+that copies instantly), so both sides see the same timing and only
+scheduler-side decisions and costs are compared.
 
 Invariants of the measurement:
 - both specs get the same ``cpu_bytes`` and the same request stream (long
-  prompts with prefix revisits from ``hybrid_replay.long_prompts``; the GPU
-  pool is small so revisits are served from the CPU tier or recomputed);
+  prompts with prefix revisits from ``kvoffload.bench.policy.hybrid_workloads``;
+  the GPU pool is small so revisits are served from the CPU tier or recomputed);
 - "connector time" is the time inside the connector's scheduler-side methods
   (wrapped on the instance); "step time" is ``schedule()`` plus
   ``update_from_output()`` and includes vLLM's own scheduling, which is the
@@ -33,8 +37,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvoffload.bench.policy.hybrid_replay import long_prompts
-from kvoffload.bench.policy.sched_side import (
+from kvoffload.bench.policy.hybrid_workloads import long_prompts
+from tests.rigs.sched_side import (
     BLOCK_SIZE,
     HEAD_SIZE,
     NUM_KV_HEADS,
@@ -46,7 +50,7 @@ GRAIN = 256
 
 
 def token_prompts(num_requests: int, prompt_tokens: int, seed: int) -> list[list[int]]:
-    """``hybrid_replay.long_prompts`` as tokens: ``GRAIN`` tokens per chunk id.
+    """``hybrid_workloads.long_prompts`` as tokens: ``GRAIN`` tokens per chunk id.
 
     Chunk ids are equal exactly where prefixes are equal, so equal prompt
     prefixes give equal block hashes and nothing else does.
@@ -277,3 +281,9 @@ def run(args: argparse.Namespace) -> int:
     for line in _table(report):
         console.print(line, highlight=False)
     return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m tests.rigs.hybrid_sched", description=__doc__)
+    add_arguments(_parser)
+    raise SystemExit(run(_parser.parse_args()))
