@@ -17,12 +17,14 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 # Generous caps for counts that size a Python-side structure (requests, ops):
 # beyond them a run would take hours or exhaust memory, not measure anything.
 MAX_COUNT = 10_000_000
 # Human byte sizes: nothing this project allocates in one piece is larger.
 MAX_BYTES = 1 << 40
+_T = TypeVar("_T")
 
 
 def _fail(message: str) -> argparse.ArgumentTypeError:
@@ -156,40 +158,37 @@ def byte_size(maximum: int = MAX_BYTES) -> Callable[[str], int]:
     return parse
 
 
+def _items(text: str, what: str) -> list[str]:
+    """The comma-separated items of ``text``, stripped; none may be empty."""
+    items = [s.strip() for s in text.split(",")]
+    if not text.strip() or any(not s for s in items):
+        raise _fail(f"expected comma-separated {what}, got {text!r}")
+    return items
+
+
+def _list_of(one: Callable[[str], _T], what: str) -> Callable[[str], list[_T]]:
+    """A comma-separated, non-empty list, each item parsed by ``one``."""
+
+    def parse(text: str) -> list[_T]:
+        return [one(s) for s in _items(text, what)]
+
+    parse.__name__ = what
+    return parse
+
+
 def byte_size_list(maximum: int = MAX_BYTES) -> Callable[[str], list[int]]:
     """A comma-separated, non-empty list of byte sizes."""
-    one = byte_size(maximum)
-
-    def parse(text: str) -> list[int]:
-        items = [s.strip() for s in text.split(",")]
-        if not text.strip() or any(not s for s in items):
-            raise _fail(f"expected comma-separated byte sizes, got {text!r}")
-        return [one(s) for s in items]
-
-    parse.__name__ = "byte sizes"
-    return parse
+    return _list_of(byte_size(maximum), "byte sizes")
 
 
 def int_list(maximum: int = MAX_COUNT) -> Callable[[str], list[int]]:
     """A comma-separated, non-empty list of positive integers."""
-    one = positive_int(maximum)
-
-    def parse(text: str) -> list[int]:
-        items = [s.strip() for s in text.split(",")]
-        if not text.strip() or any(not s for s in items):
-            raise _fail(f"expected comma-separated integers, got {text!r}")
-        return [one(s) for s in items]
-
-    parse.__name__ = "integers"
-    return parse
+    return _list_of(positive_int(maximum), "integers")
 
 
 def name_list(text: str) -> list[str]:
     """A comma-separated, non-empty list of names (no empty items)."""
-    items = [s.strip() for s in text.split(",")]
-    if not text.strip() or any(not s for s in items):
-        raise _fail(f"expected comma-separated names, got {text!r}")
-    return items
+    return _items(text, "names")
 
 
 def _human(n: int) -> str:
