@@ -1,12 +1,14 @@
-"""vLLM's ``store_threshold``: store a block only once it has been offered that many times."""
+"""vLLM's ``store_threshold``: store a block only once it has been offered that many times.
+
+The counting is kvoffload's one implementation of n-th-sighting admission
+(``kvoffload.offload.policies.admission.Sightings``); this adds vLLM's
+meaning of the threshold (below 2: every offer is stored).
+"""
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from vllm.v1.kv_offload.base import OffloadKey
+from kvoffload.offload.base import OffloadKey
+from kvoffload.offload.policies.admission import Sightings
 
 
 class StoreThreshold:
@@ -22,7 +24,7 @@ class StoreThreshold:
     def __init__(self, threshold: int = 0, max_tracker_size: int = 64_000) -> None:
         self.threshold = threshold
         self.max_tracker_size = max_tracker_size
-        self._offers: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._offers = Sightings(max_tracker_size)
 
     @property
     def active(self) -> bool:
@@ -30,11 +32,7 @@ class StoreThreshold:
 
     def offered(self, key: OffloadKey) -> bool:
         """Count one offer of ``key``; True once it has reached the threshold."""
-        n = self._offers.pop(key, 0) + 1
-        self._offers[key] = n
-        if len(self._offers) > self.max_tracker_size:
-            self._offers.popitem(last=False)
-        return n >= self.threshold
+        return self._offers.sight(key) >= self.threshold
 
     def clear(self) -> None:
         self._offers.clear()
