@@ -92,24 +92,23 @@ def non_empty_path(text: str) -> str:
     return text
 
 
-def existing_file(text: str) -> str:
-    """A path to an existing regular file."""
+def _existing(text: str, is_kind: Callable[[str], bool], kind: str) -> str:
     text = non_empty_path(text)
     if not os.path.exists(text):
         raise _fail(f"{text!r} does not exist")
-    if not os.path.isfile(text):
-        raise _fail(f"{text!r} is not a file")
+    if not is_kind(text):
+        raise _fail(f"{text!r} is not a {kind}")
     return text
+
+
+def existing_file(text: str) -> str:
+    """A path to an existing regular file."""
+    return _existing(text, os.path.isfile, "file")
 
 
 def existing_dir(text: str) -> str:
     """A path to an existing directory."""
-    text = non_empty_path(text)
-    if not os.path.exists(text):
-        raise _fail(f"{text!r} does not exist")
-    if not os.path.isdir(text):
-        raise _fail(f"{text!r} is not a directory")
-    return text
+    return _existing(text, os.path.isdir, "directory")
 
 
 def redis_url(text: str) -> str:
