@@ -242,7 +242,8 @@ class TieredOffloadingManager(OffloadingManager):
             return self._no_room(keys, record)
         record.promoted = promo
         self._promoting.update(promo)
-        slot_of.update(zip(promo, out.store_spec.block_ids.tolist()))  # type: ignore[attr-defined]
+        assert isinstance(out.store_spec, CPULoadStoreSpec)
+        slot_of.update(zip(promo, out.store_spec.block_ids.tolist()))
         before: list[TierCopy] = []
         if out.evicted_keys and self.write_mode == "write_back":
             assert out.evicted_spec is not None

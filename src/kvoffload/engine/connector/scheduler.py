@@ -34,6 +34,7 @@ import inspect
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -55,6 +56,16 @@ STORE_MODES = ("eager", "lazy", "none")
 # it holds the request's next block (Redis presence, off the scheduler thread). A
 # bound in steps, so a slow or dead server costs a request at most this many steps.
 MAX_LOOKUP_DEFER_STEPS = 2
+
+
+class JobOutcome(Protocol):
+    """What the connector reads of a finished job (``transfer.TransferResult`` has both)."""
+
+    @property
+    def job_id(self) -> int: ...
+
+    @property
+    def success(self) -> bool: ...
 
 
 @dataclass
@@ -355,7 +366,7 @@ class OffloadingConnectorScheduler:
         meta, self._meta = self._meta, ConnectorMetadata()
         return meta
 
-    def update_connector_output(self, results: Iterable[object]) -> tuple[set[str], set[str]]:
+    def update_connector_output(self, results: Iterable[JobOutcome]) -> tuple[set[str], set[str]]:
         """Settle finished jobs; returns (requests whose load succeeded, whose load failed).
 
         ``results`` are ``TransferResult``-like: ``job_id`` and ``success``.
@@ -364,8 +375,8 @@ class OffloadingConnectorScheduler:
         loaded: set[str] = set()
         failed: set[str] = set()
         for res in results:
-            job_id: int = res.job_id  # type: ignore[attr-defined]
-            ok: bool = bool(res.success)  # type: ignore[attr-defined]
+            job_id = res.job_id
+            ok = bool(res.success)
             job = self._jobs.pop(job_id, None)
             if job is None:
                 raise ValueError(f"transfer result for unknown job {job_id}")

@@ -349,7 +349,7 @@ class DiskBlockStore:
         views = as_block_views(out, n, self.block_bytes, writable=True)
         hit = [False] * n
         found: list[int] = []
-        entries: list[DiskEntry | None] = [None] * n
+        entries: dict[int, DiskEntry] = {}
         with self._lock:
             for i, k in enumerate(keys):
                 e = self._catalog.by_key.get(k)
@@ -359,7 +359,7 @@ class DiskBlockStore:
         if not found:
             self.stats.misses += n
             return hit
-        found_slots = [entries[i].slot for i in found]  # type: ignore[union-attr]
+        found_slots = [entries[i].slot for i in found]
         if len(set(found_slots)) != len(found_slots):
             raise ValueError("keys of one get must be distinct")
         runs = self._slabs.runs(found_slots)
@@ -375,7 +375,6 @@ class DiskBlockStore:
         for idx, whole, err in self._fan_out(runs, read, len(found) * self.slot_bytes):
             for pos, i in enumerate(idx):
                 e = entries[i]
-                assert e is not None
                 if pos >= whole:
                     bad.append((e, err or "truncated"))
                 elif xxhash.xxh3_64_intdigest(views[i].data) != e.checksum:
