@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kvoffload.events import MEDIUM_DISK, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvoffload.events.journal import JOURNAL_NAME, Payload, PayloadJournal
@@ -156,12 +156,14 @@ class OffloadEventDescriber:
         if not self.self_describing:
             return
         if isinstance(event, BlockStored):
-            parent = event.parent_block_hash
+            # The block pool's events carry its own hashes: bytes (ints come only
+            # from events decoded off the wire, which never reach this listener).
+            parent = cast("bytes | None", event.parent_block_hash)
             bs = event.block_size
             extras = event.extra_keys or []
-            for i, h in enumerate(event.block_hashes):
-                self._gpu[h] = _BlockMeta(  # type: ignore[index]
-                    parent,  # type: ignore[arg-type]
+            for i, h in enumerate(cast("list[bytes]", event.block_hashes)):
+                self._gpu[h] = _BlockMeta(
+                    parent,
                     tuple(event.token_ids[i * bs : (i + 1) * bs]),
                     extras[i] if i < len(extras) else None,
                     bs,
@@ -170,14 +172,14 @@ class OffloadEventDescriber:
                 )
                 self._gpu_left.discard(h)
                 if self._placeholders:
-                    key = make_offload_key(h, event.group_idx or 0)  # type: ignore[arg-type]
+                    key = make_offload_key(h, event.group_idx or 0)
                     if key in self._placeholders:
                         self._to_describe.add(key)
                 parent = h
         elif isinstance(event, BlockRemoved):
             # Forgotten only after the next translation: a store of these blocks
             # may be announced in the same step, after the GPU dropped them.
-            self._gpu_left.update(event.block_hashes)  # type: ignore[arg-type]
+            self._gpu_left.update(cast("list[bytes]", event.block_hashes))
         elif isinstance(event, AllBlocksCleared):
             self._gpu_left.update(self._gpu)
 
@@ -187,9 +189,9 @@ class OffloadEventDescriber:
         h: bytes | None = offload_key_block_hash(key)
         for _ in range(self.factor):
             meta = self._gpu.get(h) if h is not None else None
-            if meta is None:
+            if h is None or meta is None:
                 return None
-            chain.append(h)  # type: ignore[arg-type]
+            chain.append(h)
             metas.append(meta)
             h = meta.parent
         chain.reverse()
