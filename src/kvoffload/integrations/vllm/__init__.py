@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     )
     from kvoffload.integrations.vllm.spec import KVOffloadSpec
     from kvoffload.integrations.vllm.tiers.disk import KVOffloadDiskTier
+    from kvoffload.integrations.vllm.tiers.mooncake import KVOffloadMooncakeTier
     from kvoffload.integrations.vllm.tiers.redis import KVOffloadRedisTier
     from kvoffload.integrations.vllm.worker.worker import KVOffloadWorker
 
@@ -50,6 +51,7 @@ _WHERE: dict[str, str] = {
     "KVOffloadSpec": f"{__name__}.spec",
     "KVOffloadDiskTier": f"{__name__}.tiers.disk",
     "KVOffloadRedisTier": f"{__name__}.tiers.redis",
+    "KVOffloadMooncakeTier": f"{__name__}.tiers.mooncake",
     "KVOffloadWorker": f"{__name__}.worker.worker",
     "KVOffloadPolicy": f"{__name__}.scheduler.policies",
     "KVOffloadVLLMPolicy": f"{__name__}.scheduler.policies",
@@ -62,6 +64,7 @@ __all__ = [
     "KVOffloadDiskTier",
     "KVOffloadJobSpec",
     "KVOffloadManager",
+    "KVOffloadMooncakeTier",
     "KVOffloadPolicy",
     "KVOffloadRedisTier",
     "KVOffloadSettings",

@@ -3,6 +3,8 @@
 - ``KVOffloadDiskTier`` (``disk``): bounded, checksummed, evicting disk tier;
 - ``KVOffloadRedisTier`` (``redis``): a shared Redis / Valkey (or Redis
   Cluster) tier with non-blocking pipelined presence checks and a breaker;
+- ``KVOffloadMooncakeTier`` (``mooncake``): a Mooncake Store tier (the Redis
+  tier's behaviour, vLLM's rows moved in place);
 - ``base``: what both share (submit / finish, job results, events, stats);
   ``io_threads``, ``keys`` (an entry's keys), ``identity`` (the tier
   fingerprint, the tier's label) and ``metrics`` beside it.
@@ -17,11 +19,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvoffload.integrations.vllm.tiers.disk import KVOffloadDiskTier
+    from kvoffload.integrations.vllm.tiers.mooncake import KVOffloadMooncakeTier
     from kvoffload.integrations.vllm.tiers.redis import KVOffloadRedisTier
 
-_WHERE = {"KVOffloadDiskTier": "disk", "KVOffloadRedisTier": "redis"}
+_WHERE = {
+    "KVOffloadDiskTier": "disk",
+    "KVOffloadRedisTier": "redis",
+    "KVOffloadMooncakeTier": "mooncake",
+}
 
-__all__ = ["KVOffloadDiskTier", "KVOffloadRedisTier"]
+__all__ = ["KVOffloadDiskTier", "KVOffloadMooncakeTier", "KVOffloadRedisTier"]
 
 
 def __getattr__(name: str) -> Any:

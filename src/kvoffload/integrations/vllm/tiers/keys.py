@@ -45,7 +45,7 @@ def split_keys(
         tier["enable_events"] = keys["enable_kv_events"]
     config = TierConfig.from_mapping(tier, where=where)
     if config is None:
-        need = "disk_dir" if "disk_dir" in tier_keys else "redis_url"
+        need = next(k for k in ("disk_dir", "redis_url", "mooncake_url") if k in tier_keys)
         raise TierConfigError(f"{where}[{need!r}]: missing")
     if config.write_mode != "write_through" and ("write_mode" in keys or "write_through" in keys):
         key = "write_mode" if "write_mode" in keys else "write_through"

@@ -1,0 +1,143 @@
+"""``KVOffloadMooncakeTier``: kvoffload's Mooncake Store tier as a vLLM secondary tier.
+
+In vLLM's ``TieringOffloadingSpec``::
+
+    "secondary_tiers": [{"type": "KVOffloadMooncakeTier",
+                         "module_path": "kvoffload.integrations.vllm",
+                         "mooncake_url": "mooncakestore://master:50051"}]
+
+Keys (checked once at start-up through ``TierConfig``; a bad or unknown key
+is one ``TierConfigError`` line naming it): ``mooncake_url`` (required),
+``mooncake_namespace``, ``mooncake_metadata``, ``mooncake_protocol``,
+``mooncake_segment_bytes``, ``mooncake_local_buffer_bytes`` (as
+``kvoffload.tiers.mooncake.settings`` describes them), ``num_threads`` (4),
+``enable_events`` / ``enable_kv_events``, ``probe_interval_s`` (the
+breaker's probe period, 0.25), and the common ``locality`` /
+``model_revision``; ``write_mode`` only "write_through".
+
+Everything else is the Redis tier's (``KVOffloadRedisTier``, whose class
+this one extends): presence asked in one batch per scheduler step off the
+scheduler thread (``RETRY`` until answered), stores and loads on I/O
+threads, ``STORAGE`` events with locality ``REMOTE`` and the store's
+ownership (``mooncake:<namespace>:<digest>``), and vLLM's metrics under this
+tier's label, its hits counted where vLLM's categories put a remote store.
+What differs: vLLM's shared CPU region is registered with the Mooncake
+client once, and each block moves straight between its row and the store
+(a header from a registered array of one header per row): no staging copy.
+The breaker is the store's (``kvoffload.tiers.mooncake.probe``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvoffload.integrations.vllm.tiers.base import KVOffloadTierBase, logger
+from kvoffload.integrations.vllm.tiers.io_threads import IOJob
+from kvoffload.integrations.vllm.tiers.keys import COMMON_KEYS, split_keys
+from kvoffload.integrations.vllm.tiers.redis import (
+    DEFAULT_THREADS,
+    KVOffloadRedisTier,
+    PresenceChecks,
+    _seconds,
+)
+from kvoffload.tiers.config import TierConfigError
+from kvoffload.tiers.identity import parse_fingerprint
+from kvoffload.tiers.mooncake.client import MooncakeUnavailable
+from kvoffload.tiers.mooncake.probe import PROBE_INTERVAL_S
+from kvoffload.tiers.mooncake.settings import KEYS as MOONCAKE_KEYS
+from kvoffload.tiers.mooncake.store import HEADER_BYTES, MooncakeBlockStore
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+MOONCAKE_TIER_KEYS: tuple[str, ...] = (*MOONCAKE_KEYS, "num_threads", "enable_events")
+MOONCAKE_OWN_KEYS: tuple[str, ...] = (*COMMON_KEYS, "probe_interval_s")
+
+
+class KVOffloadMooncakeTier(KVOffloadRedisTier):
+    """kvoffload's Mooncake tier under vLLM's tiering manager (module docstring for the keys)."""
+
+    #: vLLM derives a tier's hit source from its medium unless the class names one: a
+    #: Mooncake Store is a remote store ("external_unspecified"), as the Redis tier says.
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        **keys: Any,
+    ) -> None:
+        config, own = split_keys(tier_type, keys, MOONCAKE_TIER_KEYS, MOONCAKE_OWN_KEYS)
+        if "num_threads" not in keys:
+            config = config.replace(num_threads=DEFAULT_THREADS)
+        where = f"secondary_tiers[{tier_type}]"
+        probe_s = _seconds(where, "probe_interval_s", own.get("probe_interval_s", PROBE_INTERVAL_S))
+        KVOffloadTierBase.__init__(
+            self, offloading_spec, primary_kv_view, tier_type, backpressure_detector, config, own
+        )
+        assert config.mooncake_url is not None
+        try:
+            self.mc = MooncakeBlockStore(
+                config.mooncake_url,
+                config.mooncake_namespace,
+                self.row_bytes,
+                geometry_fingerprint=self.identity,
+                hash_fn=parse_fingerprint(self.identity).get("hash_fn", ""),
+                metadata=config.mooncake_metadata,
+                protocol=config.mooncake_protocol,
+                segment_bytes=config.mooncake_segment_bytes,
+                local_buffer_bytes=config.mooncake_local_buffer_bytes,
+                probe_interval_s=max(probe_s, 1e-3),
+            )
+            # The Redis tier's code reads ``store``; this tier's own code reads ``mc``.
+            self.store = self.mc  # type: ignore[assignment]
+            self._register_rows()
+        except (ValueError, MooncakeUnavailable) as exc:
+            KVOffloadTierBase.shutdown(self)  # closes the store if it was opened
+            raise TierConfigError(f"{where}['mooncake_url']: {exc}") from None
+        except BaseException:
+            KVOffloadTierBase.shutdown(self)
+            raise
+        self.event_ownership = self.mc.ownership
+        self.checks = PresenceChecks(f"kvoffload-{tier_type}", self.store.contains_many)
+        self._announced = OrderedDict()
+        self._bad_seen = 0
+        logger.info(
+            "kvoffload Mooncake tier %s: %s, namespace %s (prefix %s), %s bytes contributed",
+            self.label,
+            self.mc.shown_url,
+            config.mooncake_namespace,
+            self.mc.prefix,
+            config.mooncake_segment_bytes,
+        )
+
+    def _register_rows(self) -> None:
+        """vLLM's rows and one header per row, registered once: blocks move in place."""
+        rows = self._rows
+        assert rows is not None
+        self._headers = np.zeros((max(1, rows.shape[0]), HEADER_BYTES), dtype=np.uint8)
+        if rows.size:
+            self.mc.register(rows.ctypes.data, rows.nbytes)
+        self.mc.register(self._headers.ctypes.data, self._headers.nbytes)
+
+    def _run_io(self, job: IOJob) -> Sequence[bool]:
+        rows = self.rows(job.chunks)
+        headers = [self._headers[c] for c in job.chunks]
+        try:
+            if job.is_load:
+                return self.mc.get_views(job.keys, rows, headers)
+            return self.mc.put_views(job.keys, rows, headers)
+        except Exception as exc:
+            # Only the message leaves this frame: a kept traceback would hold views of
+            # vLLM's shared region, which vLLM then could not unmap at shutdown.
+            why = str(exc)
+        logger.warning("kvoffload Mooncake tier %s: I/O failed: %s", self.label, why)
+        return [False] * len(job.keys)
