@@ -85,6 +85,8 @@ class MooncakeStoreStats:
     #: Reads whose holder did not answer (-800): removed, held absent a while.
     lost_blocks: int = 0
     upserts: int = 0
+    #: Always 0 (Mooncake values have no type); named as the Redis store's stats name it.
+    poisoned_keys: int = 0
     outages: int = 0
     calls_skipped: int = 0
 
@@ -182,6 +184,7 @@ class MooncakeBlockStore:
         self._rewrite: set[str] = set()  # keys whose stored value was bad: upsert next time
         self._registered: list[int] = []
         self._owns_client = client is None
+        self._closed = False
         if client is None:
             client = open_client(
                 self.master,
@@ -482,6 +485,10 @@ class MooncakeBlockStore:
         self._client.unregister_buffer(ptr)
 
     def close(self) -> None:
+        """Stop the probe, unregister this store's memory, close an owned client (once)."""
+        if self._closed:
+            return
+        self._closed = True
         self.breaker.close()
         self._refusals.report_at_close()
         for ptr in self._registered:
