@@ -95,7 +95,7 @@ def _geometry(block_bytes: int, args: argparse.Namespace) -> KVGeometry:
 
 
 def _best_seconds_interleaved(
-    fns: list[Callable[[], None]], repeats: int, sync: Callable[[], None]
+    fns: list[Callable[[], object]], repeats: int, sync: Callable[[], None]
 ) -> list[float]:
     """Best time of each of ``fns``, run round-robin so that noise from other
     processes on the machine hits all of them alike."""
@@ -163,6 +163,17 @@ def _pool_sizes(block_bytes: int, args: argparse.Namespace, buffer_bytes: int) -
     return pool, n
 
 
+def _block_ids(
+    pattern: str, pool: int, n: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``n`` GPU block ids and CPU slots a job moves: the first ``n``, or drawn at random."""
+    if pattern == "sequential":
+        return np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64)
+    gpu_ids = rng.choice(pool, n, replace=False).astype(np.int64)
+    slots = rng.choice(pool, n, replace=False).astype(np.int64)
+    return gpu_ids, slots
+
+
 def measure(
     block_bytes: int,
     layout_kind: str,
@@ -181,12 +192,7 @@ def measure(
     host = HostPool(layout, pool, buffer=buffers.host)
     flat_host = buffers.host[:nbytes]
     worker = OffloadingWorker.for_cpu_tier(gpu, layout, host, num_threads=args.threads)
-    if args.pattern == "sequential":
-        gpu_ids = np.arange(n, dtype=np.int64)
-        slots = np.arange(n, dtype=np.int64)
-    else:
-        gpu_ids = rng.choice(pool, n, replace=False).astype(np.int64)
-        slots = rng.choice(pool, n, replace=False).astype(np.int64)
+    gpu_ids, slots = _block_ids(args.pattern, pool, n, rng)
     store = TransferSpec(GPULoadStoreSpec(gpu_ids), CPULoadStoreSpec(slots))
     load = TransferSpec(CPULoadStoreSpec(slots), GPULoadStoreSpec(gpu_ids))
     job_ids = iter(range(1, 1 << 30))
