@@ -63,6 +63,7 @@ from vllm.v1.kv_offload.tiering.base import (
 from kvoffload.integrations.vllm import log_bridge
 from kvoffload.integrations.vllm.tiers.identity import tier_identity, tier_label_of
 from kvoffload.integrations.vllm.tiers.io_threads import IOJob, IOThreads
+from kvoffload.integrations.vllm.tiers.keys import split_keys
 from kvoffload.integrations.vllm.tiers.metrics import STORES_DROPPED, metric_definitions
 from kvoffload.tiers.config import TierConfig
 
@@ -107,6 +108,8 @@ class KVOffloadTierBase(SecondaryTierManager):
         own_keys: Mapping[str, Any],
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        #: kvoffload's record of the spec (vLLM keeps its own reference private).
+        self.offloading_spec = offloading_spec
         self.tier_config = tier_config
         self.locality = own_keys.get("locality", self.DEFAULT_LOCALITY)
         # A shared tier's id in its KV events (the Redis tier's namespace); None: not shared.
@@ -337,6 +340,11 @@ class KVOffloadTierBase(SecondaryTierManager):
             stats.set_gauge(name, value, labels)
         return stats
 
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        """vLLM 0.33's config-info labels of this tier: none."""
+        return ()
+
     def config_info(self) -> Mapping[str, str | int | float | bool]:
         return {}
 
@@ -348,3 +356,46 @@ class KVOffloadTierBase(SecondaryTierManager):
 
     def gauges(self) -> dict[str, float]:
         return self._gauges()
+
+
+# -- a tier over one store, built from its ``secondary_tiers`` entry --------------------------
+
+
+class KVOffloadStoreTier(KVOffloadTierBase):
+    """The constructor kvoffload's tiers share (vLLM's ``SecondaryTierFactory`` calls it).
+
+    A subclass names its entry's keys (``TIER_KEYS``: ``TierConfig`` fields,
+    ``OWN_KEYS``: the entry's own, ``COMMON_KEYS`` among them), its I/O
+    threads when ``num_threads`` is not given (``DEFAULT_THREADS``), and opens
+    its store in ``_open_store``. Invariant: a constructor that raises leaves
+    no thread running and no store open (``_open_store`` failing stops the I/O
+    threads the base started and closes what it opened, through ``shutdown``).
+    """
+
+    TIER_KEYS: ClassVar[tuple[str, ...]]
+    OWN_KEYS: ClassVar[tuple[str, ...]]
+    DEFAULT_THREADS: ClassVar[int]
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        **keys: Any,
+    ) -> None:
+        config, own = split_keys(tier_type, keys, self.TIER_KEYS, self.OWN_KEYS)
+        if "num_threads" not in keys:
+            config = config.replace(num_threads=self.DEFAULT_THREADS)
+        super().__init__(
+            offloading_spec, primary_kv_view, tier_type, backpressure_detector, config, own
+        )
+        try:
+            self._open_store(f"secondary_tiers[{tier_type}]", config, own)
+        except BaseException:
+            KVOffloadTierBase.shutdown(self)
+            raise
+
+    def _open_store(self, where: str, config: TierConfig, own: Mapping[str, Any]) -> None:
+        """Open the store (``where`` names the entry in error messages)."""
+        raise NotImplementedError

@@ -54,10 +54,10 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
-from kvoffload.integrations.vllm.tiers.base import KVOffloadTierBase, logger
+from kvoffload.integrations.vllm.tiers.base import KVOffloadStoreTier, logger
 from kvoffload.integrations.vllm.tiers.identity import identity_digest
 from kvoffload.integrations.vllm.tiers.io_threads import IOJob
-from kvoffload.integrations.vllm.tiers.keys import COMMON_KEYS, split_keys
+from kvoffload.integrations.vllm.tiers.keys import COMMON_KEYS
 from kvoffload.integrations.vllm.tiers.metrics import (
     AVAILABLE,
     BLOCKS_LOST,
@@ -70,15 +70,14 @@ from kvoffload.integrations.vllm.tiers.metrics import (
 )
 from kvoffload.offload.base import BlockIDsLoadStoreSpec
 from kvoffload.offload.base import OffloadKey as KVOKey
-from kvoffload.tiers.config import TierConfigError
+from kvoffload.tiers.config import TierConfig, TierConfigError
 from kvoffload.tiers.disk.manager import DiskOffloadingManager
 from kvoffload.tiers.disk.slabs import ALIGN, round_up
 from kvoffload.tiers.disk.store import DiskBlockStore
 from kvoffload.tiers.identity import parse_fingerprint
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_offload.base import OffloadingSpec
-    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+    pass
 
 DISK_TIER_KEYS: tuple[str, ...] = (
     "disk_dir",
@@ -107,65 +106,50 @@ def namespace_dir(
     return path
 
 
-class KVOffloadDiskTier(KVOffloadTierBase):
+class KVOffloadDiskTier(KVOffloadStoreTier):
     """kvoffload's disk tier under vLLM's tiering manager (module docstring for the keys)."""
 
     DEFAULT_LOCALITY: ClassVar[Locality] = Locality.LOCAL
 
-    def __init__(
-        self,
-        offloading_spec: OffloadingSpec,
-        primary_kv_view: memoryview,
-        tier_type: str,
-        backpressure_detector: BackpressureDetector | None = None,
-        **keys: Any,
-    ) -> None:
-        config, own = split_keys(tier_type, keys, DISK_TIER_KEYS, DISK_OWN_KEYS)
-        if "num_threads" not in keys:
-            config = config.replace(num_threads=DEFAULT_THREADS)
+    TIER_KEYS: ClassVar[tuple[str, ...]] = DISK_TIER_KEYS
+    OWN_KEYS: ClassVar[tuple[str, ...]] = DISK_OWN_KEYS
+    DEFAULT_THREADS: ClassVar[int] = DEFAULT_THREADS
+
+    def _open_store(self, where: str, config: TierConfig, own: Mapping[str, Any]) -> None:
         durable = own.get("durable", False)
         if not isinstance(durable, bool):
-            raise TierConfigError(
-                f"secondary_tiers[{tier_type}]['durable']: expected true or false, got {durable!r}"
-            )
-        super().__init__(
-            offloading_spec, primary_kv_view, tier_type, backpressure_detector, config, own
-        )
+            raise TierConfigError(f"{where}['durable']: expected true or false, got {durable!r}")
         assert config.disk_dir is not None
-        # From here a failure must stop the I/O threads the base class started.
-        try:
-            self.slot_bytes = round_up(self.row_bytes, ALIGN)
-            parallel = offloading_spec.config.parallel
-            replicas = max(1, int(parallel.data_parallel_size))
-            # Data-parallel replicas each run a scheduler, so each owns a share of the
-            # budget (disk_bytes bounds the directory, not each replica) in its own store.
-            self.capacity_blocks = config.disk_slots(self.slot_bytes) // replicas
-            if self.capacity_blocks < 1:
-                raise TierConfigError(
-                    f"secondary_tiers[{tier_type}]['disk_bytes']: the budget split over "
-                    f"{replicas} data-parallel replicas is smaller than one block "
-                    f"({self.slot_bytes} bytes) each"
-                )
-            self.directory = namespace_dir(
-                config.disk_dir,
-                offloading_spec.config.model.name,
-                self.identity,
-                int(parallel.data_parallel_index),
-                replicas,
+        offloading_spec = self.offloading_spec
+        self.slot_bytes = round_up(self.row_bytes, ALIGN)
+        parallel = offloading_spec.config.parallel
+        replicas = max(1, int(parallel.data_parallel_size))
+        # Data-parallel replicas each run a scheduler, so each owns a share of the
+        # budget (disk_bytes bounds the directory, not each replica) in its own store.
+        self.capacity_blocks = config.disk_slots(self.slot_bytes) // replicas
+        if self.capacity_blocks < 1:
+            raise TierConfigError(
+                f"{where}['disk_bytes']: the budget split over "
+                f"{replicas} data-parallel replicas is smaller than one block "
+                f"({self.slot_bytes} bytes) each"
             )
-            self.store = DiskBlockStore(
-                self.directory,
-                self.row_bytes,
-                self.capacity_blocks,
-                self.identity,
-                hash_fn=parse_fingerprint(self.identity).get("hash_fn", ""),
-                direct_io=config.direct_io,
-                num_io_threads=4,
-                durable=durable,
-            )
-        except BaseException:
-            super().shutdown()
-            raise
+        self.directory = namespace_dir(
+            config.disk_dir,
+            offloading_spec.config.model.name,
+            self.identity,
+            int(parallel.data_parallel_index),
+            replicas,
+        )
+        self.store = DiskBlockStore(
+            self.directory,
+            self.row_bytes,
+            self.capacity_blocks,
+            self.identity,
+            hash_fn=parse_fingerprint(self.identity).get("hash_fn", ""),
+            direct_io=config.direct_io,
+            num_io_threads=4,
+            durable=durable,
+        )
         restored = [(KVOKey(e.key), e.slot) for e in self.store.entries()]
         self.manager = DiskOffloadingManager(
             self.capacity_blocks, enable_events=self._events_on, restored=restored
@@ -182,10 +166,6 @@ class KVOffloadDiskTier(KVOffloadTierBase):
             len(restored),
             "on" if self.store.direct_io else "off",
         )
-
-    @classmethod
-    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
-        return ()
 
     # -- lookups and recency ---------------------------------------------------------
 
@@ -282,6 +262,3 @@ class KVOffloadDiskTier(KVOffloadTierBase):
         store = getattr(self, "store", None)
         if store is not None:
             store.close()
-
-    def config_info(self) -> Mapping[str, str | int | float | bool]:
-        return {}

@@ -62,9 +62,9 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvoffload.integrations.vllm.tiers.base import KVOffloadTierBase, logger
+from kvoffload.integrations.vllm.tiers.base import KVOffloadStoreTier, logger
 from kvoffload.integrations.vllm.tiers.io_threads import IOJob
-from kvoffload.integrations.vllm.tiers.keys import COMMON_KEYS, split_keys
+from kvoffload.integrations.vllm.tiers.keys import COMMON_KEYS
 from kvoffload.integrations.vllm.tiers.metrics import (
     AVAILABLE,
     BLOCKS_LOST,
@@ -72,13 +72,12 @@ from kvoffload.integrations.vllm.tiers.metrics import (
     STORES_DROPPED,
     WRITE_ERRORS,
 )
-from kvoffload.tiers.config import TierConfigError
+from kvoffload.tiers.config import TierConfig, TierConfigError
 from kvoffload.tiers.identity import parse_fingerprint
 from kvoffload.tiers.redis.store import RedisBlockStore
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_offload.base import OffloadingSpec
-    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+    pass
 
 REDIS_TIER_KEYS: tuple[str, ...] = (
     "redis_url",
@@ -236,7 +235,7 @@ class PresenceChecks:
         self.drain()
 
 
-class KVOffloadRedisTier(KVOffloadTierBase):
+class KVOffloadRedisTier(KVOffloadStoreTier):
     """kvoffload's Redis tier under vLLM's tiering manager (module docstring for the keys)."""
 
     DEFAULT_LOCALITY: ClassVar[Locality] = Locality.REMOTE
@@ -247,25 +246,14 @@ class KVOffloadRedisTier(KVOffloadTierBase):
     #: store"), and a Redis server is a remote store even on localhost.
     cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
 
-    def __init__(
-        self,
-        offloading_spec: OffloadingSpec,
-        primary_kv_view: memoryview,
-        tier_type: str,
-        backpressure_detector: BackpressureDetector | None = None,
-        **keys: Any,
-    ) -> None:
-        config, own = split_keys(tier_type, keys, REDIS_TIER_KEYS, REDIS_OWN_KEYS)
-        if "num_threads" not in keys:
-            config = config.replace(num_threads=DEFAULT_THREADS)
-        where = f"secondary_tiers[{tier_type}]"
+    TIER_KEYS: ClassVar[tuple[str, ...]] = REDIS_TIER_KEYS
+    OWN_KEYS: ClassVar[tuple[str, ...]] = REDIS_OWN_KEYS
+    DEFAULT_THREADS: ClassVar[int] = DEFAULT_THREADS
+
+    def _open_store(self, where: str, config: TierConfig, own: Mapping[str, Any]) -> None:
         retry = _seconds(where, "retry_interval_s", own.get("retry_interval_s", 1.0))
         max_retry = _seconds(where, "max_retry_interval_s", own.get("max_retry_interval_s", 30.0))
-        super().__init__(
-            offloading_spec, primary_kv_view, tier_type, backpressure_detector, config, own
-        )
         assert config.redis_url is not None
-        hash_fn = parse_fingerprint(self.identity).get("hash_fn", "")
         try:
             self.store = RedisBlockStore(
                 config.redis_url,
@@ -274,18 +262,14 @@ class KVOffloadRedisTier(KVOffloadTierBase):
                 ttl_s=config.redis_ttl_s,
                 timeout_s=config.redis_timeout_s,
                 geometry_fingerprint=self.identity,
-                hash_fn=hash_fn,
+                hash_fn=parse_fingerprint(self.identity).get("hash_fn", ""),
                 retry_interval_s=retry,
                 max_retry_interval_s=max_retry,
             )
         except ValueError as exc:
-            super().shutdown()
             raise TierConfigError(f"{where}['redis_url']: {exc}") from None
-        except BaseException:
-            super().shutdown()
-            raise
         self.event_ownership = self.store.ownership  # instances sharing it share this id
-        self.checks = PresenceChecks(f"kvoffload-{tier_type}", self.store.contains_many)
+        self.checks = PresenceChecks(f"kvoffload-{self.tier_type}", self.store.contains_many)
         self._announced: OrderedDict[OffloadKey, None] = OrderedDict()
         self._bad_seen = 0
         logger.info(
@@ -296,10 +280,6 @@ class KVOffloadRedisTier(KVOffloadTierBase):
             self.store.prefix.decode(errors="replace"),
             "reachable" if self.store.available else "unreachable: starting in an outage",
         )
-
-    @classmethod
-    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
-        return ()
 
     # -- lookups -----------------------------------------------------------------------
 
@@ -389,9 +369,6 @@ class KVOffloadRedisTier(KVOffloadTierBase):
         store = getattr(self, "store", None)
         if store is not None:
             store.close()
-
-    def config_info(self) -> Mapping[str, str | int | float | bool]:
-        return {}
 
 
 def _seconds(where: str, key: str, value: Any) -> float:
