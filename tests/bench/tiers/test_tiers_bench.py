@@ -26,6 +26,7 @@ def test_json_report(
     a = args_of(
         "--block-sizes", "64KiB", "--total", "1MiB", "--batch", "4",
         "--disk-dir", str(tmp_path / "d"), "--redis-url", redis_server.url, "--json",
+        "--skip-mooncake",  # tests/tiers/mooncake/test_bench.py runs it
     )  # fmt: skip
     assert tiers.run(a) == 0
     report = json.loads(capsys.readouterr().out)
@@ -38,7 +39,9 @@ def test_json_report(
 
 
 def test_table_and_buffered_mode(capsys: pytest.CaptureFixture[str]) -> None:
-    a = args_of("--block-sizes", "8KiB", "--total", "64KiB", "--skip-redis", "--buffered")
+    a = args_of(
+        "--block-sizes", "8KiB", "--total", "64KiB", "--skip-redis", "--skip-mooncake", "--buffered"
+    )  # fmt: skip
     assert tiers.run(a) == 0
     out = capsys.readouterr().out
     assert "buffered" in out and "8KiB" in out

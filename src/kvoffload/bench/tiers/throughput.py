@@ -11,7 +11,10 @@ Per block size, in one run:
   ``layer_first`` pool (gathered and scattered through a staging buffer);
 - Redis: ``RedisBlockStore.put`` / ``get_into`` (header, checksum, verified
   reads) against plain pipelined ``SET`` / ``MGET`` of the same bytes on the
-  same server (a temporary ``redis-server`` when no ``--redis-url`` is given).
+  same server (a temporary ``redis-server`` when no ``--redis-url`` is given),
+  and its 32-key presence check;
+- Mooncake (``mooncake_io``): the Mooncake tier's store, remote and co-located,
+  beside the Redis figures of the same run, with ratios.
 
 The disk and Redis measurements live in ``disk_io`` and ``redis_io``.
 Disk writes are timed on a second pass, over slab blocks the first pass
@@ -32,6 +35,13 @@ from typing import Any
 
 from kvoffload.bench.tiers.common import format_bytes, parse_bytes
 from kvoffload.bench.tiers.disk_io import bench_disk
+from kvoffload.bench.tiers.mooncake_io import (
+    add_ratios,
+    bench_mooncake,
+    mooncake_masters,
+    mooncake_table,
+    redis_presence_us,
+)
 from kvoffload.bench.tiers.redis_io import bench_redis, redis_server
 from kvoffload.cli import argtypes
 
@@ -73,8 +83,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Redis/Valkey to benchmark (default: start a temporary redis-server)",
     )
+    parser.add_argument(
+        "--mooncake-url",
+        default=None,
+        help="mooncakestore://HOST:PORT to benchmark (default: temporary masters and a "
+        "holder on 127.0.0.1, remote and co-located)",
+    )
     parser.add_argument("--skip-disk", action="store_true")
     parser.add_argument("--skip-redis", action="store_true")
+    parser.add_argument("--skip-mooncake", action="store_true")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -98,7 +115,7 @@ def bench(args: argparse.Namespace, progress: Callable[[], None] = lambda: None)
         f"--total {format_bytes(total)} (data + read-back copy)",
         2 * max(total, max(sizes)),
     )
-    report: dict[str, Any] = {"disk": [], "redis": [], "batch": args.batch}
+    report: dict[str, Any] = {"disk": [], "redis": [], "mooncake": [], "batch": args.batch}
     if not args.skip_disk:
         root = (
             Path(args.disk_dir)
@@ -126,8 +143,33 @@ def bench(args: argparse.Namespace, progress: Callable[[], None] = lambda: None)
             else:
                 for size in sizes:
                     report["redis"].append(bench_redis(args, size, url))
+                    report["redis"][-1]["presence_us"] = redis_presence_us(url, size)
                     progress()
+    if not args.skip_mooncake:
+        _bench_mooncake(args, sizes, total, report, progress)
     return report
+
+
+def _bench_mooncake(
+    args: argparse.Namespace,
+    sizes: list[int],
+    total: int,
+    report: dict[str, Any],
+    progress: Callable[[], None],
+) -> None:
+    # The pool holds one size's blocks at a time (each measurement clears its own).
+    args.mooncake_segment = max(16 << 20, total + total // 2 + max(sizes) * 64)
+    with mooncake_masters(args.mooncake_url, args.mooncake_segment) as (remote, local, why):
+        if remote is None:
+            report["mooncake_skipped"] = why
+            return
+        report["mooncake_url"] = remote
+        redis_rows = {r["block_bytes"]: r for r in report["redis"]}
+        for size in sizes:
+            row = bench_mooncake(args, size, remote, local)
+            add_ratios(row, redis_rows.get(size))
+            report["mooncake"].append(row)
+            progress()
 
 
 def _disk_table(report: dict[str, Any]) -> Any:
@@ -191,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     n_sizes = len(_sizes(args))
-    steps = n_sizes * ((not args.skip_disk) + (not args.skip_redis))
+    steps = n_sizes * ((not args.skip_disk) + (not args.skip_redis) + (not args.skip_mooncake))
     err = Console(stderr=True)
     with Progress(
         TextColumn("tiers"), BarColumn(), MofNCompleteColumn(), console=err, transient=True
@@ -208,4 +250,8 @@ def run(args: argparse.Namespace) -> int:
         console.print(_redis_table(report))
     elif "redis_skipped" in report:
         console.print(f"redis: skipped ({report['redis_skipped']})")
+    if report["mooncake"]:
+        console.print(mooncake_table(report))
+    elif "mooncake_skipped" in report:
+        console.print(f"mooncake: skipped ({report['mooncake_skipped']})")
     return 0
