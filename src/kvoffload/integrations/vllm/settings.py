@@ -8,6 +8,9 @@ kvoffload's keys:
 - ``redis_url``: a shared Redis/Valkey tier below that (what ``--redis-url``
   takes: ``redis://``, ``rediss://``, ``valkey://``, ``unix://``,
   ``redis+cluster://host:port,host:port``);
+- ``mooncake_url`` (``mooncakestore://HOST:PORT``) and the other
+  ``mooncake_*`` keys (``kvoffload.tiers.mooncake.settings``): a Mooncake
+  Store tier instead of Redis (``KVOffloadMooncakeTier``);
 - ``sliding_window_keep`` / ``sliding_window_keep_every``: KVOffloadConnector
   keeps the sliding-window chunks a hit at an earlier boundary needs
   (``kvoffload.integrations.vllm.groups.window_keep``; off by default);
@@ -36,7 +39,13 @@ from typing import Any
 
 from kvoffload.offload.cpu_manager import DEFAULT_CACHE_POLICY
 from kvoffload.offload.policies import policy_names
-from kvoffload.tiers.config import TierConfig, TierConfigError, parse_bool, parse_redis_url
+from kvoffload.tiers.config import (
+    MOONCAKE_KEYS,
+    TierConfig,
+    TierConfigError,
+    parse_bool,
+    parse_redis_url,
+)
 from kvoffload.transfer.sizing import parse_bytes
 
 KVOFFLOAD_KEYS: tuple[str, ...] = (
@@ -45,6 +54,7 @@ KVOFFLOAD_KEYS: tuple[str, ...] = (
     "disk_dir",
     "disk_bytes",
     "redis_url",
+    *MOONCAKE_KEYS,
     "write_through",
     # KVOffloadConnector's extra sliding-window stores (window_keep.py).
     "sliding_window_keep",
@@ -87,6 +97,8 @@ class KVOffloadSettings:
     disk_dir: str | None = None
     disk_bytes: int | None = None
     redis_url: str | None = None
+    #: The Mooncake tier's keys as given (checked), ``mooncake_url`` among them; () when none.
+    mooncake: tuple[tuple[str, Any], ...] = ()
     write_through: bool = False
     store_threshold: int = 0
     max_tracker_size: int = 64_000
@@ -98,7 +110,7 @@ class KVOffloadSettings:
 
     @property
     def has_lower_tiers(self) -> bool:
-        return self.disk_dir is not None or self.redis_url is not None
+        return self.disk_dir is not None or self.redis_url is not None or bool(self.mooncake)
 
     def secondary_tiers(self) -> list[dict[str, Any]]:
         """The lower tiers as vLLM ``secondary_tiers`` entries: disk first, then Redis."""
@@ -122,6 +134,14 @@ class KVOffloadSettings:
                     "redis_url": self.redis_url,
                 }
             )
+        if self.mooncake:
+            out.append(
+                {
+                    "type": "KVOffloadMooncakeTier",
+                    "module_path": TIERS_MODULE,
+                    **dict(self.mooncake),
+                }
+            )
         return out
 
     def tier_config(self, *, enable_events: bool = True, num_threads: int = 2) -> TierConfig | None:
@@ -132,6 +152,7 @@ class KVOffloadSettings:
             disk_dir=self.disk_dir,
             disk_bytes=self.disk_bytes,
             redis_url=self.redis_url,
+            **dict(self.mooncake),
             write_mode="write_through" if self.write_through else "write_back",
             enable_events=enable_events,
             num_threads=num_threads,
@@ -201,7 +222,7 @@ def _policy(config: Mapping[str, Any]) -> tuple[str, str | None, str | None]:
     if module_path is not None:
         if not isinstance(module_path, str) or not module_path.strip():
             raise _fail("cache_policy_module_path", f"expected a module path, got {module_path!r}")
-        if "disk_dir" not in config and "redis_url" not in config:
+        if not any(k in config for k in ("disk_dir", "redis_url", "mooncake_url")):
             raise _fail(
                 "cache_policy_module_path",
                 "vLLM policy modules drive vLLM's CPU tier, used with disk_dir or redis_url; "
@@ -244,6 +265,24 @@ def _lower_tiers(config: Mapping[str, Any]) -> tuple[str | None, int | None, str
     return disk_dir, disk_bytes, redis_url
 
 
+def _mooncake(config: Mapping[str, Any], redis_url: str | None) -> tuple[tuple[str, Any], ...]:
+    """The Mooncake keys given, checked (``tiers.mooncake.settings``); () when none."""
+    given = {k: config[k] for k in MOONCAKE_KEYS if k in config}
+    if not given:
+        return ()
+    from kvoffload.tiers.mooncake import settings
+
+    if "mooncake_url" not in given:
+        raise _fail(next(iter(given)), "needs mooncake_url (the Mooncake master)")
+    if redis_url is not None:
+        raise _fail("mooncake_url", "give redis_url or mooncake_url: both are the remote tier")
+    try:
+        checked = settings.check(given)
+    except settings.MooncakeSettingError as exc:
+        raise _fail(exc.key, exc.why) from None
+    return tuple((k, checked[k]) for k in given)
+
+
 def _check_vllm_keys(config: Mapping[str, Any]) -> None:
     """vLLM's own keys that kvoffload passes on: checked here so a bad one fails in one line."""
     for key in ("offload_prompt_only", "self_describing_kv_events"):
@@ -282,9 +321,10 @@ def parse_settings(config: Mapping[str, Any]) -> KVOffloadSettings:
     cpu_bytes = _size(*cpu)
     cache_policy, module_path, vllm_policy = _policy(config)
     disk_dir, disk_bytes, redis_url = _lower_tiers(config)
+    mooncake = _mooncake(config, redis_url)
     write_through = _bool("write_through", config.get("write_through", False))
-    if write_through and disk_dir is None and redis_url is None:
-        raise _fail("write_through", "needs a lower tier (disk_dir or redis_url)")
+    if write_through and disk_dir is None and redis_url is None and not mooncake:
+        raise _fail("write_through", "needs a lower tier (disk_dir, redis_url or mooncake_url)")
     _check_vllm_keys(config)
     store_threshold = _nonneg_int("store_threshold", config.get("store_threshold", 0))
     max_tracker_size = _nonneg_int("max_tracker_size", config.get("max_tracker_size", 64_000))
@@ -296,6 +336,7 @@ def parse_settings(config: Mapping[str, Any]) -> KVOffloadSettings:
         disk_dir=disk_dir,
         disk_bytes=disk_bytes,
         redis_url=redis_url,
+        mooncake=mooncake,
         write_through=write_through,
         store_threshold=store_threshold,
         max_tracker_size=max_tracker_size,
