@@ -140,3 +140,16 @@ def native_sync_loads(connector_scheduler: object) -> bool:
     """Whether this vLLM's offloading scheduler has synchronous loads (0.33 does; 0.32's
     are added from outside by ``scheduler.sync_loads.SyncLoads``)."""
     return hasattr(connector_scheduler, "_reserve_sync_load")
+
+
+# -- KV cache groups in vLLM's offloading config ---------------------------------------------
+
+
+def group_window_chunks(group: object) -> tuple[bool, int | None]:
+    """``(known, chunks)`` of a group of vLLM's ``OffloadingConfig``: 0.33 gives each group's
+    window in offloaded chunks (``sliding_window_size_in_chunks``; None: the whole prefix);
+    0.32's config does not say (``known`` False)."""
+    if not hasattr(group, "sliding_window_size_in_chunks"):
+        return False, None
+    chunks: int | None = group.sliding_window_size_in_chunks
+    return True, chunks

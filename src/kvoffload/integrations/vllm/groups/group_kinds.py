@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvoffload.integrations.vllm import compat
 from kvoffload.integrations.vllm.settings import KVOffloadConfigError
 
 
@@ -150,7 +151,7 @@ def group_layouts(
         per_chunk = int(g.tokens_per_block) * bpc
         kind, window = kinds.get(g.group_id, (None, None))
         if kind is None:  # behind vLLM's stock connector: the window is all it says
-            chunks = getattr(g, "sliding_window_size_in_chunks", None)
+            _, chunks = compat.group_window_chunks(g)
             kind = "full_attention" if chunks is None else "sliding_window"
             window = None if chunks is None else chunks * per_chunk
         if kind in ("sliding_window", "mla_sliding_window") and window:

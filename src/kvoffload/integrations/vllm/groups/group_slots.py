@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvoffload.integrations.vllm import compat
 from kvoffload.integrations.vllm.settings import KVOffloadConfigError
 from kvoffload.transfer import format_bytes
 
@@ -124,8 +125,8 @@ def group_layout_fingerprint(config: Any) -> str:
     world = max(1, int(config.parallel.world_size))
     parts = []
     for pos, g in enumerate(config.groups):
-        chunks = getattr(g, "sliding_window_size_in_chunks", "?")
-        kind = "any" if chunks == "?" else ("full" if chunks is None else f"window{chunks}")
+        known, chunks = compat.group_window_chunks(g)
+        kind = "any" if not known else ("full" if chunks is None else f"window{chunks}")
         nbytes = per_group[pos] if per_group is not None else int(config.worker_kv_bytes_per_block)
         # All ranks' bytes: a layout vLLM certifies as parallelism-agnostic reads the
         # same tier under any TP size, and its per-rank share differs between them.
@@ -208,9 +209,10 @@ def windowed_groups(
                 or kind.startswith("mamba")
             )
             continue
-        if not hasattr(g, "sliding_window_size_in_chunks"):
+        known, chunks = compat.group_window_chunks(g)
+        if not known:
             return None
-        out.append(g.sliding_window_size_in_chunks is not None)
+        out.append(chunks is not None)
     return out
 
 
