@@ -25,8 +25,15 @@ holding it re-announces it described: a removal of the placeholder's hash,
 then the self-describing store (a set of hashes stays exact throughout).
 
 Without self-description, stores carry ``block_size=0`` and no tokens (a
-router takes them from the GPU tier's events). ``group_idx`` None is group
-0 (``kvoffload.events.types``: the wire always sends the number).
+router takes them from the GPU tier's events).
+
+With ``block_size_factor`` > 1 every offloaded chunk is announced in an event
+of its own (its ``block_size_factor`` GPU block hashes, stored or removed
+together): a chunk loads only whole, from a chunk boundary, so a router counts
+an offloaded tier in whole chunks (docs/routing.md, "Chunks of several GPU
+blocks"); events of one chain run are merged only when a chunk is one block.
+``group_idx`` None is group 0 (``kvoffload.events.types``: the wire always
+sends the number).
 
 The shared remote tier's events carry ``ownership`` (see
 ``kvoffload.events``) when the manager names one (``event_ownership``).
@@ -229,6 +236,9 @@ class OffloadEventDescriber:
                     if not held.media:
                         emptied.append(key)
                     hashes = held.payload.hashes if held.payload else [offload_key_block_hash(key)]
+                    if self.factor > 1:  # one unit per event, as its store
+                        out.append(self._removed(list(hashes), medium, offload_key_group_idx(key)))
+                        continue
                     by_group.setdefault(offload_key_group_idx(key), []).extend(hashes)
                 for group, group_hashes in by_group.items():
                     out.append(self._removed(group_hashes, medium, group))
@@ -250,7 +260,11 @@ class OffloadEventDescriber:
                 held.media.add(medium)
                 self._journal_put(key, held.payload, medium)
                 group = offload_key_group_idx(key)
-                if not self._extends(out, held.payload, medium, group, offload_key_block_hash(key)):
+                # A chunk of several GPU blocks loads only whole: its own event, never
+                # merged with the next chunk's, so each offloaded store is one unit.
+                if self.factor > 1 or not self._extends(
+                    out, held.payload, medium, group, offload_key_block_hash(key)
+                ):
                     out.append(self._stored(key, held.payload, medium))
         for key in emptied:
             held = self._held.get(key)
