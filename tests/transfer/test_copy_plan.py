@@ -104,3 +104,27 @@ def test_unknown_strategy_is_an_error() -> None:
     groups = GroupPairs(layout, layout.allocate(2), layout.allocate(2))
     with pytest.raises(ValueError, match="unknown copy strategy"):
         copy_rows(groups, RowPairs.build(np.array([0]), np.array([1])), "teleport")
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 1024])
+def test_runs_views_cross_chunk_boundaries_and_repeated_sources(
+    monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
+    """Row views are made a chunk at a time and long runs are split out in one call; a source
+    row copied twice makes overlapping source runs (sliced one by one)."""
+    import kvoffload.transfer.row_views as row_views
+
+    monkeypatch.setattr(row_views, "CHUNK_ROWS", chunk)
+    layout = KVLayout(KVGeometry(2, 1, 4, 2, torch.float16), "layer_first")
+    src, dst = layout.allocate(20), layout.allocate(20)
+    random_fill(src, 3)
+    random_fill(dst, 4)
+    src_rows = [7, 8, 9, 7, 8, 9, 0, 19, 4, 12]
+    dst_rows = [0, 1, 2, 5, 6, 7, 19, 3, 11, 12]
+    expected = reference_copy(layout, src, dst, src_rows, dst_rows)
+    groups = GroupPairs(layout, src, dst)
+    pairs = RowPairs.build(np.array(src_rows), np.array(dst_rows))
+    for _ in range(2):  # the second copy reuses the cached views
+        copy_rows(groups, pairs, "runs")
+        for got, want in zip(dst, expected):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

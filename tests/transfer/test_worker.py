@@ -306,3 +306,23 @@ def test_a_job_of_a_few_mib_is_split_across_every_pool_thread() -> None:
         handler.close()
     assert len(small) == 1
     assert len(big) == 2
+
+
+def test_a_job_of_exactly_shard_min_bytes_is_split() -> None:
+    """The threshold is inclusive: a job of exactly SHARD_MIN_BYTES uses every pool thread,
+    one block less does not (a `>` there left 4 MiB jobs on one thread)."""
+    layout = KVLayout(KVGeometry(4, 8, 16, 64, torch.float16), "layer_first")  # 128 KiB a block
+    blocks = gpu_cpu.SHARD_MIN_BYTES // layout.bytes_per_block
+    assert blocks * layout.bytes_per_block == gpu_cpu.SHARD_MIN_BYTES
+    gpu = layout.allocate(blocks)
+    pool = HostPool(layout, blocks, 1)
+    handler = gpu_cpu.CpuGpuTransferHandler(
+        gpu_cpu.GpuCpuJobPlanner(gpu, layout, pool), num_threads=2
+    )
+    try:
+        exact = handler.prepare(1, store(list(range(blocks)), list(range(blocks))))
+        under = handler.prepare(2, store(list(range(blocks - 1)), list(range(blocks - 1))))
+    finally:
+        handler.close()
+    assert len(exact) == 2
+    assert len(under) == 1

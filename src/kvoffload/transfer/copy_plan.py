@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from kvoffload.transfer.layout import KVLayout
+from kvoffload.transfer.row_views import RowViews, run_views
 
 STRATEGIES: tuple[str, ...] = ("runs", "dst_runs", "src_runs", "staged")
 
@@ -62,6 +63,11 @@ _PASS_SECONDS_PER_BYTE = 1 / 10e9
 # index_copy_ runs element by element, slower than the memcpy rows of
 # index_select: costed as this fraction of an extra pass.
 _SCATTER_PENALTY = 0.3
+# On one device a multi-plane group is strided, so index_select into it takes
+# torch's element-wise path rather than a memcpy per row: costed as this
+# fraction of an extra pass (1,000 random 256 KiB blocks: runs 0.90 of a
+# one-thread bulk copy, dst_runs 0.80; 16 KiB: 0.35 against 0.41).
+_STRIDED_GATHER_PENALTY = 0.2
 
 
 def _runs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -163,6 +169,18 @@ class GroupPairs:
         self.dst_device = self.narrow[0][1].device
         self.row_bytes = layout.plane_row_bytes
         self.bytes_per_block = layout.bytes_per_block
+        self._views: list[tuple[RowViews, RowViews]] | None = None
+
+    def row_views(self) -> list[tuple[RowViews, RowViews]]:
+        """Cached row views of the ``wide`` groups (source, destination), for ``runs``.
+
+        Wide integer elements keep each row's copy under torch's parallel
+        grain (32768 elements), so a copy never opens an OpenMP team: a job's
+        parallelism is its shards, one per thread, whoever runs them.
+        """
+        if self._views is None:
+            self._views = [(RowViews(sg), RowViews(dg)) for sg, dg in self.wide]
+        return self._views
 
     @staticmethod
     def _pairs(
@@ -189,6 +207,7 @@ class GroupPairs:
         ]
         out.wide = out.narrow
         out.bytes_per_block = sum(b - a for _, a, b in spans)
+        out._views = None
         return out
 
     @property
@@ -212,9 +231,11 @@ def choose_strategy(pairs: RowPairs, groups: GroupPairs) -> str:
         return "runs"  # one slice copy per group: nothing is cheaper
     num_groups = len(groups.narrow)
     nbytes = pairs.num_rows * groups.bytes_per_block
+    strided = _STRIDED_GATHER_PENALTY if groups.narrow[0][0].shape[0] > 1 else 0.0
     costs = {
         "runs": len(pairs.run_starts) * num_groups * _RUN_COPY_CALL,
-        "dst_runs": len(pairs.dst_run_starts) * num_groups * _INDEX_CALL,
+        "dst_runs": len(pairs.dst_run_starts) * num_groups * _INDEX_CALL
+        + nbytes * strided * _PASS_SECONDS_PER_BYTE,
         "src_runs": len(pairs.src_run_starts) * num_groups * _INDEX_CALL
         + nbytes * _SCATTER_PENALTY * _PASS_SECONDS_PER_BYTE,
         "staged": num_groups * 2 * _INDEX_CALL
@@ -273,19 +294,13 @@ def copy_rows(
     s, d = pairs.src_rows, pairs.dst_rows
     if strategy == "runs":
         starts = pairs.run_starts
-        lengths = np.diff(np.append(starts, n)).tolist()
-        s_starts, d_starts = s[starts].tolist(), d[starts].tolist()
+        lengths = np.diff(np.append(starts, n))
         srcs: list[torch.Tensor] = []
         dsts: list[torch.Tensor] = []
-        # Tight comprehensions: building the views is the per-run Python cost.
-        for sg, dg in groups.narrow:
-            if sg.shape[0] == 1:
-                s2, d2 = sg[0], dg[0]
-                srcs += [s2[a : a + k] for a, k in zip(s_starts, lengths)]
-                dsts += [d2[a : a + k] for a, k in zip(d_starts, lengths)]
-            else:
-                srcs += [sg[:, a : a + k] for a, k in zip(s_starts, lengths)]
-                dsts += [dg[:, a : a + k] for a, k in zip(d_starts, lengths)]
+        for sv, dv in groups.row_views():
+            dl, sl = run_views(sv, dv, s[starts], d[starts], lengths)
+            dsts += dl
+            srcs += sl
         _foreach_copy(dsts, srcs, non_blocking)
     elif strategy == "dst_runs":
         idx = _index_on(groups.src_device, s)

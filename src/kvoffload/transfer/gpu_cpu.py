@@ -92,9 +92,10 @@ class GpuCpuJobPlanner:
     def plan(self, spec: TransferSpec) -> BlockCopyJob:
         """The job for ``spec``; ``ValueError``/``TypeError`` says why it cannot run."""
         src, dst = spec.src, spec.dst
-        for side in (src, dst):
-            if not isinstance(side, BlockIDsLoadStoreSpec):
-                raise TypeError(f"expected block-id specs, got {type(side).__name__}")
+        if not isinstance(src, BlockIDsLoadStoreSpec):
+            raise TypeError(f"expected block-id specs, got {type(src).__name__}")
+        if not isinstance(dst, BlockIDsLoadStoreSpec):
+            raise TypeError(f"expected block-id specs, got {type(dst).__name__}")
         f = self.host_pool.block_size_factor
         if spec.media == (GPU, CPU):
             gpu = self._gpu_ids(src)

@@ -19,10 +19,11 @@ pairs. Contract, which ``OffloadingWorker`` relies on:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeGuard
 
@@ -200,7 +201,7 @@ class ThreadPoolTransferHandler(TransferHandler):
         if not parts:
             self._finish(job_id, spec, start, 0, None)
             return
-        queued = [_Part(job_id, spec, w, start) for w in parts]
+        queued = [_Part(job_id, spec, w, start, len(parts) > 1) for w in parts]
         with self._cond:
             self._parts_left[job_id] = len(parts)
             self._part_bytes[job_id] = 0
@@ -265,7 +266,11 @@ class ThreadPoolTransferHandler(TransferHandler):
     def _run(self, part: _Part) -> None:
         job_id, num_bytes, error = part.job_id, 0, None
         try:
-            num_bytes = part.work()
+            if part.shared and not getattr(_THIS_THREAD, "in_pool", False):
+                with _one_torch_thread():
+                    num_bytes = part.work()
+            else:
+                num_bytes = part.work()
         except BaseException as exc:  # a job must always be reported, whatever went wrong
             error = exc
         with self._cond:
@@ -332,16 +337,51 @@ def can_stage(handler: TransferHandler | None) -> TypeGuard[ThreadPoolTransferHa
 
 
 class _Part:
-    """One independent piece of a job's work, queued on the pool (identity-compared)."""
+    """One independent piece of a job's work, queued on the pool (identity-compared).
 
-    __slots__ = ("done", "job_id", "spec", "start", "work")
+    ``shared``: the job has other parts, which other threads may run at the
+    same time (shards of a big job, stages of a staged load).
+    """
 
-    def __init__(self, job_id: int, spec: TransferSpec, work: Work, start: float) -> None:
+    __slots__ = ("done", "job_id", "shared", "spec", "start", "work")
+
+    def __init__(
+        self, job_id: int, spec: TransferSpec, work: Work, start: float, shared: bool = False
+    ) -> None:
         self.job_id = job_id
         self.spec = spec
         self.work = work
         self.start = start
+        self.shared = shared
         self.done = False  # set under the handler's lock once the work ran
+
+
+_THIS_THREAD = threading.local()
+
+
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """Run torch ops on this thread alone for the block's duration.
+
+    A waiting thread that takes one part of a job while pool threads copy
+    the others must not open its OpenMP team: the team's second thread would
+    share a core with a pool thread, and every op's barrier would spin until
+    the descheduled one caught up. Profiled on 2 cores (``bench transfer``,
+    64 KiB blocks, run_on_wait with a 2-thread team): 34% of all samples in
+    libgomp's barrier spin, store and load at about half of 14b0863's rate.
+    (``torch.set_num_threads`` is per OpenMP thread and costs ~0.1 us.)
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    if before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _set_thread_intra_op(num_threads: int) -> None:
@@ -349,4 +389,5 @@ def _set_thread_intra_op(num_threads: int) -> None:
     # own threads (model compute) as they are.
     import torch
 
+    _THIS_THREAD.in_pool = True
     torch.set_num_threads(num_threads)
