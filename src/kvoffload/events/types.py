@@ -244,10 +244,11 @@ class _Wire(NamedTuple):
     place: tuple[int, int] | None
 
 
-def _wire(event: type[KVCacheEvent], core: int) -> _Wire:
-    """The wire table of ``event``: its struct is the field list, ``core`` the cut.
+def _wire(event: type[KVCacheEvent], core_until: str | None) -> _Wire:
+    """The wire table of ``event``: its struct is the field list, ``core_until``
+    its last core field (None: no field is).
 
-    The first ``core`` fields are those both profiles always carry: the
+    The core fields are those both profiles always carry: the
     legacy profile's positional layout (with the event's own defaults, so
     trailing defaults are left off) and the fields vLLM declares without a
     default (sent even when None). The fields after them are vLLM 0.33's
@@ -256,6 +257,8 @@ def _wire(event: type[KVCacheEvent], core: int) -> _Wire:
     event and its wire structs convert positionally.
     """
     fields = msgspec.structs.fields(event)
+    names = [f.name for f in fields]
+    core = 0 if core_until is None else names.index(core_until) + 1
     name = event.__name__
     vllm_fields: list[tuple[str, Any] | tuple[str, Any, Any]] = [
         (f.name, f.type) if i < core else (f.name, f.type, None) for i, f in enumerate(fields)
@@ -264,7 +267,6 @@ def _wire(event: type[KVCacheEvent], core: int) -> _Wire:
         (f.name, f.type) if f.default is msgspec.NODEFAULT else (f.name, f.type, f.default)
         for f in fields[:core]
     ]
-    names = [f.name for f in fields]
     return _Wire(
         vllm=msgspec.defstruct(
             f"_Vllm{name}", vllm_fields, bases=(_VllmEvent,), tag=name, module=__name__
@@ -279,11 +281,11 @@ def _wire(event: type[KVCacheEvent], core: int) -> _Wire:
     )
 
 
-#: The table: every event type and how many of its fields are core.
+#: The table: every event type and its last core field.
 _WIRES: dict[type[KVCacheEvent], _Wire] = {
-    BlockStored: _wire(BlockStored, core=7),  # up to lora_name
-    BlockRemoved: _wire(BlockRemoved, core=2),  # up to medium
-    AllBlocksCleared: _wire(AllBlocksCleared, core=0),
+    BlockStored: _wire(BlockStored, core_until="lora_name"),
+    BlockRemoved: _wire(BlockRemoved, core_until="medium"),
+    AllBlocksCleared: _wire(AllBlocksCleared, core_until=None),
 }
 _EVENT_OF_WIRE: dict[type[msgspec.Struct], type[KVCacheEvent]] = {
     cls: event for event, wire in _WIRES.items() for cls in (wire.vllm, wire.legacy)
