@@ -72,6 +72,7 @@ from kvoffload.integrations.vllm.worker.group_jobs import GroupSplitHandler, Rou
 from kvoffload.integrations.vllm.worker.layer_loads import Extent, LayerStages
 from kvoffload.offload import CPULoadStoreSpec as KVCPUSpec
 from kvoffload.offload import GPULoadStoreSpec as KVGPUSpec
+from kvoffload.offload.base import BlockIDsLoadStoreSpec as KVBlockIDsSpec
 from kvoffload.offload.media import CPU_MEDIUM, GPU_MEDIUM
 from kvoffload.transfer import HostPool, KVGeometry, KVLayout
 from kvoffload.transfer.handler import TransferHandler, can_stage
@@ -253,8 +254,8 @@ class KVOffloadWorker(OffloadingWorker):
         self.layer_stages: LayerStages | None = None
 
     @staticmethod
-    def _inner(spec: LoadStoreSpec) -> tuple[object, int]:
-        if isinstance(spec, KVOffloadJobSpec):
+    def _inner(spec: LoadStoreSpec) -> tuple[KVBlockIDsSpec, int]:
+        if isinstance(spec, KVOffloadJobSpec) and isinstance(spec.inner, KVBlockIDsSpec):
             return spec.inner, spec.op_id
         if isinstance(spec, BlockIDsLoadStoreSpec) and type(spec).__name__ == "CPULoadStoreSpec":
             # vLLM's tiering manager (lower tiers configured): its CPU chunk ids are
@@ -262,18 +263,15 @@ class KVOffloadWorker(OffloadingWorker):
             return KVCPUSpec(spec.block_ids), NO_OP
         raise TypeError(f"expected a kvoffload or CPU job spec, got {type(spec).__name__}")
 
-    def _pair(self, gpu: GPULoadStoreSpec, cpu: object) -> tuple[KVGPUSpec, SubBlockSpec]:
+    def _pair(self, gpu: GPULoadStoreSpec, cpu: KVBlockIDsSpec) -> tuple[KVGPUSpec, SubBlockSpec]:
         """The job as (GPU blocks, CPU sub-blocks) of equal length; a job that does not
         fit its groups gets specs the handler refuses (a failed result, nothing written)."""
-        chunks = getattr(cpu, "block_ids", None)
-        if chunks is None:
-            raise TypeError(f"expected a CPU slot spec, got {type(cpu).__name__}")
         try:
             rows = group_rows(
                 gpu.block_ids,
-                getattr(gpu, "group_sizes", None),
-                getattr(gpu, "block_indices", None),
-                chunks,
+                gpu.group_sizes,
+                gpu.block_indices,
+                cpu.block_ids,
                 self.blocks_per_chunk,
             )
         except ValueError as exc:
