@@ -238,6 +238,6 @@ def test_kvoffload_lines_come_out_in_vllms_log_format(served: dict[str, Any]) ->
     """A Redis server gone under a running engine: a vLLM WARNING line; the request is a miss."""
     assert served["outage_reply"]["choices"][0]["text"]
     pattern = re.compile(
-        r"\bWARNING \d\d-\d\d \d\d:\d\d:\d\d \[cluster\.py:\d+\] Redis tier at \S+ is unreachable"
+        r"\bWARNING \d\d-\d\d \d\d:\d\d:\d\d \[breaker\.py:\d+\] Redis tier at \S+ is unreachable"
     )
     assert pattern.search(served["logs"]["redis"]), served["logs"]["redis"][-3000:]
