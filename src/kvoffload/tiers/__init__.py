@@ -1,14 +1,15 @@
 """Everything below CPU memory: one folder per tier, and what the tiers share.
 
-- ``disk/``: the disk tier (store, index, slabs, manager, handler);
-- ``redis/``: the Redis / Valkey tier (store, cluster links, manager, handler);
+- ``disk/``: the disk tier (store, catalog, index, manifest, slabs, manager, handler, build);
+- ``redis/``: the Redis / Valkey tier (store, urls, links, breaker, manager, handler, build);
+- ``mooncake/``: the Mooncake Store tier (the same parts; its ``__init__`` names them);
 - ``identity``: the tier fingerprint (what decides a stored block's bytes);
-- ``slot_io``: CPU slots as the byte blocks the stores keep, and the handler both tiers share;
+- ``slot_io``: CPU slots as the byte blocks the stores keep, and the handler every tier shares;
 - ``alarm``: one warning when a tier's writes start failing, one when they work again;
 - ``lower_tier``: the contract a lower tier implements (scheduler side) and its load / store specs;
 - ``tiered_manager``: the CPU tier over the lower tiers, scheduler side;
 - ``tiered_records``, ``write_down``: its jobs in flight and counters; the copies down the stack;
-- ``tiered_handler``: GPU <-> CPU <-> disk / Redis jobs on the worker side;
+- ``tiered_handler``: GPU <-> CPU <-> lower-tier jobs on the worker side;
 - ``config``: ``TierConfig`` (what the lower tiers take, checked once) and ``TierIdentity``;
 - ``building``: what each tier's ``build.py`` takes and returns (``TierContext``, ``BuiltTier``);
 - ``stack``: building the tiers behind a CPU tier (``make_tiers``).
