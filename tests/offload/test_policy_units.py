@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 
 from kvoffload.offload import CPUOffloadingManager, OffloadKey, make_offload_key
 from kvoffload.offload.chunk_units import GroupLayout
+from kvoffload.offload.policies.default.arc_arm import ArcArm
 from kvoffload.offload.policies.default.arms import sampled
+from kvoffload.offload.policies.default.arms_duel import ArmsDuel
 from kvoffload.offload.policies.default.policy_duel import PolicyDuel
 from kvoffload.offload.policies.default.shadow_tier import ALL, ARC, BIP, SECOND, ShadowTier
 
@@ -84,8 +86,41 @@ def test_shadows_model_the_tier_in_units(groups: int) -> None:
     units = slots // groups  # every chunk holds one slot per group
     for tier in duel.lru.tiers:
         assert abs(tier.capacity - units // rate) * 16 <= units // rate
+    # The ARC structure's target and ghosts are bounded by the units too.
+    assert abs(duel.arc.capacity - units) * 16 <= units
     if groups == 1:
         assert all(t.capacity == slots // rate for t in duel.lru.tiers)  # as before
+        assert duel.arc.capacity == slots
+
+
+def test_arc_retarget_bounds_p_and_ghosts_and_keeps_the_resident_keys() -> None:
+    arc = ArcArm(100)
+    arc.insert([_unit(i) for i in range(100)])
+    arc.access([_unit(i) for i in range(50)])  # T2: 0..49, T1: 50..99
+    victims = arc.evict(60, [_unit(i) for i in range(100, 160)])
+    arc.insert([_unit(i) for i in range(100, 160)])
+    arc.p = 90.0
+    resident = set(arc.where)
+    arc.retarget(40)
+    assert arc.capacity == 40 and arc.p == 40.0
+    assert set(arc.where) == resident  # the manager evicts, not a retarget
+    assert len(arc.b1) + arc.n1 <= 40 or not arc.b1
+    assert arc.n1 + arc.n2 + len(arc.b1) + len(arc.b2) <= max(80, len(resident))
+    assert len(victims) == 60
+
+
+def test_a_switch_to_arc_takes_unread_first_sightings_as_seen_once() -> None:
+    duel = ArmsDuel(4096)
+    assert duel.mode == ALL
+    chain = [_unit(i) for i in range(64)]
+    assert all(duel.admit(chain) or ())  # all admitted on first sight
+    duel.evict(0, chain)
+    duel.insert(chain)
+    duel.access(chain[:16])  # the head read again
+    once, again, pinned = duel.take_resident()
+    assert set(once) == set(chain[16:])
+    assert set(again) == set(chain[:16])
+    assert not pinned
 
 
 @settings(max_examples=60, deadline=None)

@@ -78,7 +78,18 @@ class ArcArm(ARCPolicy):
         if over > 0:
             k = min(over, len(b2))
             _consume(starmap(b2.popitem, repeat(_OLDEST, k)))
-            _consume(starmap(pop1, repeat(_OLDEST, over - k)))
+            # (At most B1 whole: a retargeted ``c`` may be below the resident keys.)
+            _consume(starmap(pop1, repeat(_OLDEST, min(over - k, len(b1)))))
+
+    def retarget(self, capacity: int) -> None:
+        """The tier holds about ``capacity`` of this policy's keys (chunk units hold several
+        slots each): ``p`` and the ghost lists are bounded by that from now on. Resident
+        keys stay (the manager evicts). With the tier's slot count as ``c``, ``p`` could
+        pass every resident key and ARC evicted only T2 (a hybrid replay's T2 fell to a
+        fifth of the tier)."""
+        self.capacity = capacity
+        self.p = min(self.p, float(capacity))
+        self._trim_ghosts()
 
     def resize(self, capacity: int) -> None:
         """A shadow's new size (nothing pinned): ``p`` clamped, T1's least recent evicted

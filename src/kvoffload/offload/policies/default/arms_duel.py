@@ -313,14 +313,24 @@ class ArmsDuel(ArmsChainLRUPolicy):
             _consume(starmap(history.popitem, repeat(_OLDEST, over)))
 
     def take_resident(self) -> tuple[list[OffloadKey], list[OffloadKey], list[OffloadKey]]:
-        """(rejects, kept keys, pinned keys), unpinned ones next victim first; then empty.
+        """(keys seen once, keys read again, pinned keys), unpinned ones next victim first;
+        then empty.
 
+        Seen once: the rejects, then the kept keys ALL admitted on first sight and
+        nobody read since (``_fresh``): ARC's T1, as ``give_resident`` takes T1 back.
+        (Kept as read again, a conversation's turn just stored sat in T2 behind every
+        older one-off, and ARC, whose T1 is what it evicts for new keys, lost its next
+        turns: 7 points of a hybrid replay that moved to ARC midway.)
         O(capacity): only for a switch to the other structure."""
-        rejects = list(self.rejects)
-        kept = self.inner.lru_order()  # type: ignore[attr-defined]
-        pinned = self.inner.pinned_keys() + list(self._pinned_rejects)  # type: ignore[attr-defined]
+        once = list(self.rejects)
+        kept = self.inner.lru_order()
+        fresh = self._fresh
+        if fresh:
+            once += [k for k in kept if k in fresh]
+            kept = [k for k in kept if k not in fresh]
+        pinned = self.inner.pinned_keys() + list(self._pinned_rejects)
         self._reset_resident()
-        return rejects, kept, pinned
+        return once, kept, pinned
 
     def give_resident(
         self,

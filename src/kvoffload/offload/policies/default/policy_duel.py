@@ -149,7 +149,10 @@ class PolicyDuel(CachePolicy):
             resident = self._resident
             resident += (len(self) - resident) / 8
             self._resident = resident
-            self.lru.fit_shadows(int(resident))
+            size = int(resident)
+            if 16 * abs(size - self.arc.capacity) > self.arc.capacity:
+                self.arc.retarget(size)
+            self.lru.fit_shadows(size)
 
     def access(self, keys: Sequence[OffloadKey]) -> None:
         self._clock += len(keys)
