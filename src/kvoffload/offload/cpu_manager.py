@@ -73,7 +73,7 @@ class CPUOffloadingManager(OffloadingManager):
     def __init__(
         self,
         num_blocks: int,
-        cache_policy: str = DEFAULT_CACHE_POLICY,
+        cache_policy: str | type[CachePolicy] = DEFAULT_CACHE_POLICY,
         enable_events: bool = False,
         group_layout: Sequence[GroupLayout] | None = None,
     ) -> None:
