@@ -35,8 +35,8 @@ def _engine_facts() -> tuple[str | None, str]:
         cfg = None
     if cfg is None:
         return None, "sha256"
-    revision = getattr(cfg.model_config, "revision", None) if cfg.model_config else None
-    algo = str(getattr(cfg.cache_config, "prefix_caching_hash_algo", "sha256") or "sha256")
+    revision = cfg.model_config.revision if cfg.model_config else None
+    algo = str(cfg.cache_config.prefix_caching_hash_algo or "sha256")
     return (str(revision) if revision else None), algo
 
 
@@ -79,8 +79,8 @@ def tier_identity(spec: OffloadingSpec, row_bytes: int, model_revision: str | No
         seed = "sha256:" + hashlib.sha256(seed.encode()).hexdigest()[:16]
     groups = group_layout_fingerprint(config)
     canonical = "direct"
-    if getattr(config, "canonical_layout", False):
-        canonical = f"canonical:{getattr(config, 'kv_cache_layout', None)}"
+    if config.canonical_layout:
+        canonical = f"canonical:{config.kv_cache_layout}"
     p = config.parallel
     if is_parallel_agnostic(spec):
         parallel = "agnostic"
@@ -94,7 +94,7 @@ def tier_identity(spec: OffloadingSpec, row_bytes: int, model_revision: str | No
         "format": "vllm-row-v1",
         "model": f"{config.model.name}@{revision}",
         "dtype": config.model.dtype,
-        "kv_layout": getattr(config, "kv_cache_layout", None) or "default",
+        "kv_layout": config.kv_cache_layout or "default",
         "canonical": canonical,
         "groups": groups,
         "tokens_per_hash": config.cache.tokens_per_hash,
