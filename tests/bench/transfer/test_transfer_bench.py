@@ -46,3 +46,27 @@ def test_cli_table(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_bad_values(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
     assert main(["bench", "transfer", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_against_a_revision_interleaved(capsys: pytest.CaptureFixture[str]) -> None:
+    """--against HEAD: both copy paths measured by their own processes, side by side."""
+    argv = ["bench", "transfer", "--sizes", "32KiB", "--blocks", "8", "--device", "cpu"]
+    assert main([*argv, "--against", "HEAD", "--rounds", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["against"] == ["HEAD"] and out["rounds"] == 2
+    (row,) = out["results"]
+    assert row["block_bytes"] == 32 << 10 and row["blocks"] == 8
+    for name in ("this", "HEAD"):
+        summary = row["revisions"][name]
+        assert summary["rounds"] == 2 and summary["store_gbps"] > 0 and summary["load_gbps"] > 0
+        lo, hi = summary["store_ratio_range"]
+        assert lo <= summary["store_ratio"] <= hi
+    assert row["this_over"]["HEAD"]["store"] > 0
+
+
+def test_cli_against_an_unknown_revision_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["bench", "transfer", "--sizes", "32KiB", "--blocks", "8", "--device", "cpu"]
+    assert main([*argv, "--against", "no-such-rev-xyz"]) == 2
+    assert "no-such-rev-xyz" in capsys.readouterr().err

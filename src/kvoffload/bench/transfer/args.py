@@ -59,4 +59,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick", action="store_true", help=f"small run for tests: {QUICK_SIZES}, 64 blocks"
     )
+    parser.add_argument(
+        "--against",
+        metavar="REV[,REV...]",
+        default=None,
+        help="also measure these git revisions' copy path, interleaved with this one in one "
+        "run (each revision's src/ in its own process): median and range of per-round ratios "
+        "side by side (CPU path)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=argtypes.positive_int(10_000),
+        default=5,
+        help="interleaved rounds per revision and size with --against (default 5)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -279,7 +279,7 @@ def _resolve(args: argparse.Namespace) -> tuple[list[int], list[str], torch.devi
         sizes = [parse_bytes(s) for s in (args.sizes or DEFAULT_SIZES).split(",") if s.strip()]
     if not sizes:
         raise ValueError("--sizes is empty")
-    for name in ("blocks", "repeats", "threads", "layers", "kv_heads", "head_size"):
+    for name in ("blocks", "repeats", "rounds", "threads", "layers", "kv_heads", "head_size"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
     for size in sizes:
@@ -322,6 +322,12 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     sizes, kinds, device = _resolve(args)
+    if args.against:
+        if device.type != "cpu":
+            raise ValueError("--against measures the host copy path: use --device cpu")
+        from kvoffload.bench.transfer.against import run_against
+
+        return run_against(args, sizes, kinds)
     err = Console(stderr=True)
     with Progress(
         TextColumn("transfer"), BarColumn(), MofNCompleteColumn(), console=err, transient=True

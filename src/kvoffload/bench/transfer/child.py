@@ -1,0 +1,135 @@
+"""One revision's copy path, measured on command: the child process of ``--against``.
+
+Run as a script (``python -P child.py``: ``-P`` keeps this script's folder off
+``sys.path``) with ``PYTHONPATH`` pointing at the
+``src`` folder of the revision to measure, so that ``kvoffload.transfer`` is
+that revision's. It therefore uses only the transfer API every measured
+revision has (``OffloadingWorker.for_cpu_tier``, ``HostPool(buffer=)``,
+``host_buffer``, the block-id specs) and imports nothing else of kvoffload.
+
+Protocol: one JSON object a line on stdin, ``{"setup": {...}, "rounds": k}``
+(the block geometry, pool and job sizes, pattern and seed, threads), answered
+by one line ``{"times": [[store, load, bulk, bulk_load], ...], "bytes": n}``:
+seconds of each timed step of each round, the four steps run back to back so
+that the ratios compare copies made under the same load. A new setup
+replaces the last one (its memory is freed first); ``{"quit": true}`` ends.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvoffload.offload.base import CPULoadStoreSpec, GPULoadStoreSpec
+from kvoffload.transfer import (
+    HostPool,
+    KVGeometry,
+    KVLayout,
+    OffloadingWorker,
+    TransferSpec,
+    parse_dtype,
+)
+from kvoffload.transfer.host_memory import host_buffer
+
+
+class Rig:
+    """Both tiers, one worker and the two jobs of one setup."""
+
+    def __init__(self, c: dict[str, Any]) -> None:
+        dtype = parse_dtype(c["dtype"])
+        geometry = KVGeometry(c["layers"], c["kv_heads"], c["head_size"], c["block_tokens"], dtype)
+        layout = KVLayout(geometry, c["layout"])
+        pool, n = c["pool"], c["n"]
+        nbytes = pool * layout.bytes_per_block
+        self.gpu_flat = host_buffer(nbytes)
+        gen = torch.Generator().manual_seed(c["seed"])
+        tile = torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=gen)
+        whole = nbytes // tile.numel()
+        self.gpu_flat[: whole * tile.numel()].view(whole, -1).copy_(tile.expand(whole, -1))
+        self.host_flat = host_buffer(nbytes)
+        self.host_flat.zero_()  # commit the pages before anything is timed
+        region = self.gpu_flat.view(geometry.dtype).view(layout.region_shape(pool))
+        gpu = layout.split_region(region)
+        host = HostPool(layout, pool, buffer=self.host_flat)
+        self.worker = OffloadingWorker.for_cpu_tier(gpu, layout, host, num_threads=c["threads"])
+        rng = np.random.default_rng(c["seed"])
+        if c["pattern"] == "sequential":
+            gpu_ids = slots = np.arange(n, dtype=np.int64)
+        else:
+            gpu_ids = rng.choice(pool, n, replace=False).astype(np.int64)
+            slots = rng.choice(pool, n, replace=False).astype(np.int64)
+        spec, gpu_spec, cpu_spec = TransferSpec, GPULoadStoreSpec, CPULoadStoreSpec
+        self.store = spec(gpu_spec(gpu_ids), cpu_spec(slots))
+        self.load = spec(cpu_spec(slots), gpu_spec(gpu_ids))
+        self.total = n * layout.bytes_per_block
+        self.job_ids = iter(range(1, 1 << 62))
+        before = self.gpu_flat[: self.total].clone()
+        self._job(True)  # warm up (first touch, thread start-up) and check the round trip
+        self._job(False)
+        if not torch.equal(before, self.gpu_flat[: self.total]):
+            raise RuntimeError("store + load round trip changed the GPU tier's bytes")
+
+    def _job(self, store: bool) -> None:
+        job = next(self.job_ids)
+        if store:
+            self.worker.submit_store(job, self.store)
+        else:
+            self.worker.submit_load(job, self.load)
+        self.worker.wait([job])
+        for result in self.worker.get_finished():
+            if not result.success:
+                raise RuntimeError(f"transfer job failed: {result.error}")
+
+    def round(self) -> list[float]:
+        """Seconds of a store, a load and the two bulk copies. Each bulk copy is the faster
+        of two back to back: the first may wait for the torch thread team to wake (after a
+        job ran on pool threads it has gone to sleep), which is no part of copying bytes."""
+        gpu, host = self.gpu_flat[: self.total], self.host_flat[: self.total]
+        steps = (
+            lambda: self._job(True),
+            lambda: self._job(False),
+            lambda: host.copy_(gpu),
+            lambda: host.copy_(gpu),
+            lambda: gpu.copy_(host),
+            lambda: gpu.copy_(host),
+        )
+        out = []
+        for step in steps:
+            start = time.perf_counter()
+            step()
+            out.append(time.perf_counter() - start)
+        return [out[0], out[1], min(out[2:4]), min(out[4:6])]
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def main() -> None:
+    rig: Rig | None = None
+    key = None
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command.get("quit"):
+            break
+        setup = command["setup"]
+        if json.dumps(setup, sort_keys=True) != key:
+            if rig is not None:
+                rig.close()
+                rig = None  # free both tiers before the next size allocates its own
+            rig = Rig(setup)
+            key = json.dumps(setup, sort_keys=True)
+        current = rig
+        assert current is not None
+        times = [current.round() for _ in range(command.get("rounds", 1))]
+        print(json.dumps({"times": times, "bytes": current.total}), flush=True)
+    if rig is not None:
+        rig.close()
+
+
+if __name__ == "__main__":
+    main()
