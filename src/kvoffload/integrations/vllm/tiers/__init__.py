@@ -5,7 +5,8 @@
   Cluster) tier with non-blocking pipelined presence checks and a breaker;
 - ``KVOffloadMooncakeTier`` (``mooncake``): a Mooncake Store tier (the Redis
   tier's behaviour, vLLM's rows moved in place);
-- ``base``: what both share (submit / finish, job results, events, stats);
+- ``base``: what they share (submit / finish, job results, events, stats, and
+  ``KVOffloadStoreTier``, the constructor every tier uses);
   ``io_threads``, ``keys`` (an entry's keys), ``identity`` (the tier
   fingerprint, the tier's label) and ``metrics`` beside it.
 
@@ -14,8 +15,9 @@ Names resolve on first use: the Redis tier needs redis-py, the disk tier does no
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from kvoffload._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from kvoffload.integrations.vllm.tiers.disk import KVOffloadDiskTier
@@ -23,18 +25,11 @@ if TYPE_CHECKING:
     from kvoffload.integrations.vllm.tiers.redis import KVOffloadRedisTier
 
 _WHERE = {
-    "KVOffloadDiskTier": "disk",
-    "KVOffloadRedisTier": "redis",
-    "KVOffloadMooncakeTier": "mooncake",
+    "KVOffloadDiskTier": f"{__name__}.disk",
+    "KVOffloadRedisTier": f"{__name__}.redis",
+    "KVOffloadMooncakeTier": f"{__name__}.mooncake",
 }
 
 __all__ = ["KVOffloadDiskTier", "KVOffloadMooncakeTier", "KVOffloadRedisTier"]
 
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _WHERE)
