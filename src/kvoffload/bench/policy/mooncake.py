@@ -35,7 +35,7 @@ from pathlib import Path
 
 from kvoffload.blocks import BlockPool, KVCacheBlock
 from kvoffload.hashing import BlockHash
-from kvoffload.offload import CPUOffloadingManager, make_offload_key
+from kvoffload.offload import CPUOffloadingManager, OffloadKey, make_offload_key
 from kvoffload.offload.cpu_manager import DEFAULT_CACHE_POLICY
 
 
@@ -157,6 +157,58 @@ def check_block_size(requests: Sequence[MooncakeRequest], block_size: int) -> No
         )
 
 
+def _offer(manager: CPUOffloadingManager, res: ReplayResult, keys: list[OffloadKey]) -> None:
+    """Offer ``keys`` for storing, as kvoffload's connector does: only admitted keys."""
+    if not keys:
+        return
+    res.blocks_offered += len(keys)
+    res.block_ops += len(keys)
+    flags = manager.admit(keys)
+    if flags is not None:
+        keys = [k for k, f in zip(keys, flags) if f]
+        res.stores_declined += len(flags) - len(keys)
+        if not keys:
+            return
+    out = manager.prepare_store(keys)
+    if out is None:
+        res.stores_refused += len(keys)
+        return
+    if out.keys_to_store:
+        manager.complete_store(keys)
+        res.blocks_stored += len(out.keys_to_store)
+        res.block_ops += len(out.keys_to_store)
+
+
+def _cpu_hit(
+    manager: CPUOffloadingManager, res: ReplayResult, all_keys: list[OffloadKey], gpu_hits: int
+) -> int:
+    """Blocks past the GPU hit found (and loaded) in the CPU tier; every block is touched."""
+    cpu_hit = 0
+    rest = all_keys[gpu_hits:]
+    if rest:
+        cpu_hit = manager.lookup(rest)
+        res.block_ops += min(cpu_hit + 1, len(rest))
+    if cpu_hit:
+        manager.prepare_load(rest[:cpu_hit])
+        manager.complete_load(rest[:cpu_hit])
+        res.block_ops += 2 * cpu_hit
+    # Every block the request uses is recent in the CPU tier too, a full GPU hit included.
+    manager.touch(all_keys)
+    res.block_ops += len(all_keys)
+    return cpu_hit
+
+
+def _doomed(pool: BlockPool, count: int) -> list[OffloadKey]:
+    """Keys of the cached blocks among the first ``count`` of the free queue (evicted next)."""
+    doomed = []
+    for i, b in enumerate(pool.free_block_queue.iter_blocks_after(None)):
+        if i >= count:
+            break
+        if b.block_hash is not None:
+            doomed.append(make_offload_key(b.block_hash))
+    return doomed
+
+
 def replay_mooncake(
     requests: Sequence[MooncakeRequest],
     num_gpu_blocks: int,
@@ -191,27 +243,6 @@ def replay_mooncake(
     res = ReplayResult()
     held: deque[list[KVCacheBlock]] = deque()
     start = time.perf_counter()
-
-    def offer(keys: list) -> None:
-        if manager is None or not keys:
-            return
-        res.blocks_offered += len(keys)
-        res.block_ops += len(keys)
-        flags = manager.admit(keys)  # as kvoffload's connector: only admitted keys are offered
-        if flags is not None:
-            keys = [k for k, f in zip(keys, flags) if f]
-            res.stores_declined += len(flags) - len(keys)
-            if not keys:
-                return
-        out = manager.prepare_store(keys)
-        if out is None:
-            res.stores_refused += len(keys)
-            return
-        if out.keys_to_store:
-            manager.complete_store(keys)
-            res.blocks_stored += len(out.keys_to_store)
-            res.block_ops += len(out.keys_to_store)
-
     for req in sorted(requests, key=lambda r: r.timestamp):
         hashes = [_hash(h) for h in full_blocks(req, block_size)]
         n = len(hashes)
@@ -226,33 +257,17 @@ def replay_mooncake(
         all_keys = [make_offload_key(h) for h in hashes]
         cpu_hit = 0
         if manager is not None and all_keys:
-            rest = all_keys[len(hits) :]
-            if rest:
-                cpu_hit = manager.lookup(rest)
-                res.block_ops += min(cpu_hit + 1, len(rest))
-            if cpu_hit:
-                manager.prepare_load(rest[:cpu_hit])
-                manager.complete_load(rest[:cpu_hit])
-                res.block_ops += 2 * cpu_hit
-            # Every block the request uses is recent in the CPU tier too, a full GPU hit included.
-            manager.touch(all_keys)
-            res.block_ops += n
+            cpu_hit = _cpu_hit(manager, res, all_keys, len(hits))
         pool.touch(hits)
         if manager is not None and store_mode == "lazy":
             # Cached blocks at the front of the free queue are about to be evicted: offer them.
-            doomed = []
-            for i, b in enumerate(pool.free_block_queue.iter_blocks_after(None)):
-                if i >= n - len(hits):
-                    break
-                if b.block_hash is not None:
-                    doomed.append(make_offload_key(b.block_hash))
-            offer(doomed)
+            _offer(manager, res, _doomed(pool, n - len(hits)))
         blocks = hits + pool.get_new_blocks(n - len(hits))
         pool.cache_full_blocks(blocks, hashes, len(hits), n, 1)
-        if store_mode == "eager":
+        if manager is not None and store_mode == "eager":
             # As vLLM's connector does: the request's blocks, GPU hits included, are
             # offered; the tier keeps the ones it does not hold yet.
-            offer(all_keys)
+            _offer(manager, res, all_keys)
         held.append(blocks)
         res.requests += 1
         res.blocks += n

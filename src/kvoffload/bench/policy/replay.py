@@ -152,9 +152,8 @@ def _hint_calls(
     m: CPUOffloadingManager,
 ) -> tuple[Callable[[str, Sequence[OffloadKey]], None], Callable[[str], None]]:
     """The manager's queue-hint methods (its policy's where the manager does not forward them)."""
-    base = getattr(OffloadingManager, "hint_queued", None)
-    if base is not None and getattr(type(m), "hint_queued", base) is not base:
-        return m.hint_queued, m.hint_dequeued  # type: ignore[attr-defined]
+    if type(m).hint_queued is not OffloadingManager.hint_queued:
+        return m.hint_queued, m.hint_dequeued
     return m.policy.hint_queued, m.policy.hint_dequeued
 
 

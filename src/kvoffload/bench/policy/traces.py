@@ -146,7 +146,7 @@ def _rag(rng: np.random.Generator, chains: _Chains, tag: str) -> Iterator[list[i
     while True:
         n += 1
         q = [(tag, "q", n, i) for i in range(int(rng.integers(1, 3)))]
-        yield chains.extend(-1, system + docs[pick_doc()] + q)
+        yield chains.extend(-1, [*system, *docs[pick_doc()], *q])
 
 
 def _oneoff(rng: np.random.Generator, chains: _Chains, tag: str) -> Iterator[list[int]]:
@@ -155,7 +155,7 @@ def _oneoff(rng: np.random.Generator, chains: _Chains, tag: str) -> Iterator[lis
     while True:
         n += 1
         body = [(tag, "body", n, i) for i in range(int(rng.integers(20, 200)))]
-        yield chains.extend(-1, head + body)
+        yield chains.extend(-1, [*head, *body])
 
 
 def _loop(rng: np.random.Generator, chains: _Chains, tag: str) -> Iterator[list[int]]:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (engine_args does too)
 
@@ -29,6 +31,11 @@ from kvoffload.bench import plots
 from kvoffload.bench.routing.routers import ROUTERS
 from kvoffload.bench.routing.workloads import DEFAULT_MOONCAKE_TRACE, WORKLOADS
 from kvoffload.cli import argtypes
+
+if TYPE_CHECKING:
+    from kvoffload.bench.routing.routed_run import RunResult
+    from kvoffload.bench.routing.workloads import RouteRequest
+    from kvoffload.engine.config import EngineConfig
 
 
 def _int_list(text: str) -> list[int]:
@@ -43,7 +50,7 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _names(known: tuple[str, ...]):  # type: ignore[no-untyped-def]
+def _names(known: tuple[str, ...]) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         names = [v.strip() for v in text.split(",") if v.strip()]
         bad = [n for n in names if n not in known]
@@ -93,33 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def run(args: argparse.Namespace) -> int:
-    from contextlib import ExitStack
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-    from kvoffload.bench.routing.indexer import DynamoIndexer, IndexerClient
-    from kvoffload.bench.routing.report import plot, print_table, vs_baseline
-    from kvoffload.bench.routing.routed_run import RunResult, run_routed
-    from kvoffload.bench.routing.routers import make_router
-    from kvoffload.bench.routing.services import LocalRedis
-    from kvoffload.bench.routing.worker import EngineProcess
+def _workloads(args: argparse.Namespace, vocab: int) -> dict[str, list[RouteRequest]]:
     from kvoffload.bench.routing.workloads import chat_requests, mooncake_requests
-    from kvoffload.engine.config import EngineConfig
-    from kvoffload.engine.model_runner import peek_vocab_size
 
-    if args.plot:
-        plots.require("kvoffload bench route")
-    base = EngineConfig(
-        seed=args.seed,
-        block_size=args.block_size,
-        num_gpu_blocks=args.gpu_blocks,
-        num_cpu_blocks=args.cpu_blocks,
-        max_num_seqs=args.max_num_seqs,
-        num_threads=1,
-        transfer_threads=1,
-    )
-    vocab = peek_vocab_size(base)
     workloads = {}
     for name in args.workloads:
         if name == "chat":
@@ -133,6 +116,23 @@ def run(args: argparse.Namespace) -> int:
                 max_blocks=args.mooncake_max_blocks,
                 seed=args.seed,
             )
+    return workloads
+
+
+def _route_all(
+    args: argparse.Namespace, workloads: dict[str, list[RouteRequest]], base: EngineConfig
+) -> list[RunResult]:
+    """Every workload x instance count x router, on engine processes started once."""
+    from contextlib import ExitStack
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from kvoffload.bench.routing.indexer import DynamoIndexer, IndexerClient
+    from kvoffload.bench.routing.routed_run import run_routed
+    from kvoffload.bench.routing.routers import make_router
+    from kvoffload.bench.routing.services import LocalRedis
+    from kvoffload.bench.routing.worker import EngineProcess
+
     results: list[RunResult] = []
     with ExitStack() as stack:
         if args.indexer_url:
@@ -174,6 +174,26 @@ def run(args: argparse.Namespace) -> int:
                                 on_done=lambda: progress.advance(task),
                             )
                         )
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvoffload.bench.routing.report import plot, print_table, vs_baseline
+    from kvoffload.engine.config import EngineConfig
+    from kvoffload.engine.model_runner import peek_vocab_size
+
+    if args.plot:
+        plots.require("kvoffload bench route")
+    base = EngineConfig(
+        seed=args.seed,
+        block_size=args.block_size,
+        num_gpu_blocks=args.gpu_blocks,
+        num_cpu_blocks=args.cpu_blocks,
+        max_num_seqs=args.max_num_seqs,
+        num_threads=1,
+        transfer_threads=1,
+    )
+    results = _route_all(args, _workloads(args, peek_vocab_size(base)), base)
     plotted = plot(results, args.plot) if args.plot else None
     if args.json:
         ratios = vs_baseline(results)

@@ -18,7 +18,8 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
+from typing import Any, cast
 
 import numpy as np
 
@@ -145,7 +146,8 @@ def _dispatch(
             per_instance[choice] += 1
             instances[choice].add(req.req_id, req.token_ids, req.max_tokens, req.continues)
         for conn in wait(list(conns)):
-            msg = instances[conns[conn]].recv()  # raises on an engine's error
+            # wait() returns what it was given: our instances' connections.
+            msg = instances[conns[cast("Connection[Any, Any]", conn)]].recv()  # raises on error
             if msg[0] != "out":
                 continue
             out: dict[str, object] = msg[1]  # type: ignore[assignment]
@@ -180,9 +182,9 @@ def _summarise(
     tier_hit = total("tier_hit")
     cpu = redis = 0
     for s in stats:
-        tiers = s.get("tiers") or {}
-        cpu += int(tiers.get("cpu_hit_tokens", 0))  # type: ignore[union-attr]
-        redis += int(tiers.get("lower_hit_tokens", 0))  # type: ignore[union-attr]
+        tiers = cast("dict[str, int]", s.get("tiers") or {})
+        cpu += int(tiers.get("cpu_hit_tokens", 0))
+        redis += int(tiers.get("lower_hit_tokens", 0))
     if cpu + redis == 0:
         cpu = tier_hit  # no lower tier: every tier hit came from the CPU
     ttfts = np.array([float(o["ttft_s"]) for o in outputs] or [0.0])  # type: ignore[arg-type]

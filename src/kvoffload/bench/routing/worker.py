@@ -137,7 +137,7 @@ class EngineProcess:
             ) from None
         if msg[0] == "error":
             raise RuntimeError(f"engine process {self.index}: {msg[1]}")
-        return msg  # type: ignore[no-any-return]
+        return msg
 
     def start_engine(self, endpoints: InstanceEndpoints, config: EngineConfig) -> None:
         """Build a fresh engine publishing on ``endpoints`` (waits until it is ready)."""

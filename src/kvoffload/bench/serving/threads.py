@@ -20,7 +20,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from kvoffload.cli import argtypes
 
@@ -127,18 +129,20 @@ def median(values: list[float]) -> float:
     return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
-def measure(args: argparse.Namespace, progress: object | None = None) -> dict[str, object]:
+def measure(
+    args: argparse.Namespace, progress: Callable[[], None] | None = None
+) -> dict[str, object]:
     env = parse_env(args.env)
     quiet: list[RunTiming] = []
     loaded: list[RunTiming] = []
     for _ in range(args.repeat):
         quiet.append(run_once(args.requests, env, args.run_arg))
         if progress is not None:
-            progress.advance()  # type: ignore[attr-defined]
+            progress()
         with BusyProcesses(args.busy):
             loaded.append(run_once(args.requests, env, args.run_arg))
         if progress is not None:
-            progress.advance()  # type: ignore[attr-defined]
+            progress()
     q = median([t.wall_s for t in quiet])
     b = median([t.wall_s for t in loaded])
     return {
@@ -153,14 +157,6 @@ def measure(args: argparse.Namespace, progress: object | None = None) -> dict[st
         "quiet_runs": [t.__dict__ for t in quiet],
         "busy_runs": [t.__dict__ for t in loaded],
     }
-
-
-class _Advance:
-    def __init__(self, prog: object, task: object) -> None:
-        self.prog, self.task = prog, task
-
-    def advance(self) -> None:
-        self.prog.advance(self.task)  # type: ignore[attr-defined]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -179,15 +175,15 @@ def run(args: argparse.Namespace) -> int:
         TimeElapsedColumn(),
     ) as prog:
         task = prog.add_task("quiet / busy runs", total=2 * args.repeat)
-        report = measure(args, _Advance(prog, task))
+        report = measure(args, lambda: prog.advance(task))
     table = Table(
         title=f"kvoffload run --requests {args.requests}: quiet vs {args.busy} busy process(es)"
         f", {report['cpus']} CPUs"
     )
     for col in ("machine", "wall (s)", "TTFT p50 (s)", "TTFT p99 (s)", "tok/s"):
         table.add_column(col, justify="right")
-    for name, runs in (("quiet", report["quiet_runs"]), ("busy", report["busy_runs"])):
-        for r in runs:  # type: ignore[union-attr]
+    for name in ("quiet", "busy"):
+        for r in cast(list[dict[str, float]], report[f"{name}_runs"]):
             table.add_row(
                 name,
                 f"{r['wall_s']:.2f}",

@@ -94,6 +94,8 @@ def make_tiny_llama(
     from transformers import LlamaConfig, LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
+    # The engine venv's transformers takes `torch_dtype`; the stubs here only know `dtype`.
+    dtype: dict[str, Any] = {"torch_dtype": "float32"}
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=hidden_size,
@@ -107,7 +109,7 @@ def make_tiny_llama(
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        **dtype,
     )
     save_seeded_model(out, lambda: LlamaForCausalLM(config), seed, config.initializer_range)
     write_word_tokenizer(out)

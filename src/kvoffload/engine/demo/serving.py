@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -17,6 +18,9 @@ from kvoffload.engine.demo.workload import (
 )
 from kvoffload.engine.llm_engine import LLMEngine, RequestOutput
 from kvoffload.engine.request import SamplingParams
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 
 def demo_workload(vocab_size: int, num_requests: int = 256, seed: int = 0) -> WorkloadConfig:
@@ -64,7 +68,7 @@ def run_trace(
     trace: Sequence[TraceRequest],
     concurrency: int,
     label: str = "",
-    progress: object | None = None,
+    progress: tuple[Progress, TaskID] | None = None,
     on_output: Callable[[RequestOutput], None] | None = None,
 ) -> ServeSummary:
     """Submit ``trace`` in order, at most ``concurrency`` requests in the engine at once.
@@ -100,7 +104,7 @@ def run_trace(
             outputs.append(out)
             in_flight -= 1
             if progress is not None:
-                prog, task = progress  # type: ignore[misc]
+                prog, task = progress
                 prog.advance(task)
     engine.drain()
     wall = time.perf_counter() - start
