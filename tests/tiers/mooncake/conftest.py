@@ -27,18 +27,19 @@ from tests.tiers.mooncake.cluster import LoopbackMooncake
 _NAMES = itertools.count()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackMooncake]:
-    """One master and one 64 MiB segment holder for a whole module."""
+    """One master and one 128 MiB segment holder for every test that does not kill them
+    (each test stores under a namespace of its own)."""
     cluster = LoopbackMooncake(tmp_path_factory.mktemp("mooncake"))
     try:
-        cluster.add_holder(64 << 20)
+        cluster.add_holder(128 << 20)
         yield cluster
     finally:
         cluster.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def client(mooncake: LoopbackMooncake) -> Iterator[MooncakeClient]:
     """One pure client of the module's cluster, shared by its stores (closing one costs ~1 s)."""
     c = open_client(parse_master_url(mooncake.url))

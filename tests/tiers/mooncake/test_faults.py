@@ -51,7 +51,7 @@ def test_master_killed_trips_the_breaker_at_the_first_failure(
         fresh_mooncake.kill_master()
         before = counting.calls
         for round_ in range(3):
-            assert store.get(ks) == [None] * 4  # misses, not errors
+            assert all(g is None for g in store.get(ks))  # misses, not errors
             assert store.contains_many(ks) == [False] * 4
             assert store.put(keys(2, 100 + 2 * round_), data(2)) == [False, False]
         assert not store.available
@@ -75,14 +75,14 @@ def test_master_restarted_loses_the_blocks_then_serves_again(
         old, blocks = keys(4), data(4)
         assert store.put(old, blocks) == [True] * 4
         fresh_mooncake.kill_master()
-        assert store.get(old) == [None] * 4
+        assert all(g is None for g in store.get(old))
         assert not store.available
         fresh_mooncake.start_master()
         assert wait_until(lambda: store.available), "the probe never reopened the tier"
         assert store.stats.outages == 1 and store.breaker.outage_s
         # The new master knows nothing of the old blocks: misses, not errors.
         assert store.contains_many(old) == [False] * 4
-        assert store.get(old) == [None] * 4
+        assert all(g is None for g in store.get(old))
         # Its holder mounts its segment again by itself: stores land.
         new = keys(4, 50)
         assert wait_until(lambda: store.put(new[:1], blocks[:1])[0])
