@@ -13,8 +13,6 @@ from kvoffload.offload.policies import (
     ChainLRUPolicy,
     FlatLRUPolicy,
     LRUPolicy,
-    S3FIFOPolicy,
-    SievePolicy,
     all_policies,
     make_policy,
     policy_menu,
@@ -22,7 +20,6 @@ from kvoffload.offload.policies import (
     register_policy,
 )
 from kvoffload.offload.policies.admission import AdmitARCPolicy, AdmitLRUPolicy, SecondSightPolicy
-from kvoffload.offload.policies.chain_duel import DuelChainLRUPolicy
 from tests.offload.keyutil import key, keys
 
 
@@ -37,8 +34,8 @@ def test_the_menu_names_only_what_a_user_picks_and_blocks_stay_classes() -> None
     with pytest.raises(ValueError, match=f"known: {', '.join(policy_names())}$"):
         make_policy("lfu", 4)
     with pytest.raises(ValueError, match="known:"):
-        make_policy("sieve", 4)  # a building block: importable, not a name
-    assert isinstance(make_policy(SievePolicy, 4), SievePolicy)
+        make_policy("chain_lru", 4)  # a building block: importable, not a name
+    assert isinstance(make_policy(ChainLRUPolicy, 4), ChainLRUPolicy)
     # (Tests may register policies of their own: the built-in menu is checked by name.)
     menu = dict(line.split(": ", 1) for line in policy_menu().splitlines())
     assert next(iter(menu)) == DEFAULT_CACHE_POLICY
@@ -186,47 +183,6 @@ def test_arc_p_stays_within_bounds() -> None:
         assert 0 <= p.p <= 3
 
 
-def test_s3fifo_evicts_one_hit_keys_and_promotes_reused_ones() -> None:
-    p = S3FIFOPolicy(10)  # small queue target: 1
-    one_by_one(p, *range(1, 11))
-    p.access(keys(1))
-    assert p.evict(1, []) == keys(2)  # 1 was reused: moved to main instead
-    assert key(1) in p.main and key(2) in p.ghost
-    p.insert(keys(2))  # remembered by the ghost queue: straight to main
-    assert key(2) in p.main
-
-
-def test_s3fifo_main_queue_is_a_clock() -> None:
-    p = S3FIFOPolicy(10)
-    one_by_one(p, *range(1, 11))
-    p.access(keys(*range(1, 11)))
-    for _ in range(9):
-        p.evict(1, [])  # everything reused moves to main: small is drained first
-    assert len(p) == 1
-
-
-def test_sieve_hand_spares_visited_keys_without_moving_them() -> None:
-    p = SievePolicy(3)
-    one_by_one(p, 1, 2, 3)
-    p.access(keys(1))
-    assert p.evict(1, []) == keys(2)  # 1 visited: spared, bit cleared
-    p.insert(keys(4))
-    assert p.evict(1, []) == keys(3)  # the hand continues from where it stopped
-    assert p.evict(1, []) == keys(4)
-    assert p.evict(1, []) == keys(1)
-    assert len(p) == 0 and p.num_evictable() == 0
-
-
-def test_sieve_pinned_keys_are_skipped_by_the_hand() -> None:
-    p = SievePolicy(3)
-    one_by_one(p, 1, 2, 3)
-    p.pin(keys(1))
-    assert p.evict(1, []) == keys(2)
-    p.unpin(keys(1))
-    assert p.evict(1, []) == keys(3)
-    assert p.evict(1, []) == keys(1)
-
-
 CAPACITY = 5
 
 
@@ -298,9 +254,6 @@ class PolicyMachine(RuleBasedStateMachine):
             assert len(p) + max(len(p.b1), len(p.b2)) <= 2 * CAPACITY
             assert 0 <= p.p <= CAPACITY
             assert not (set(p.b1) | set(p.b2)) & self.resident
-        if isinstance(p, S3FIFOPolicy):
-            assert len(p.ghost) <= p.ghost_capacity
-            assert not set(p.ghost) & self.resident
 
 
 TestPolicyMachine = PolicyMachine.TestCase
@@ -346,7 +299,7 @@ def test_a_reject_read_again_is_promoted(cls: type[SecondSightPolicy]) -> None:
     assert p.num_evictable() == 3
 
 
-@pytest.mark.parametrize("cls", [AdmitARCPolicy, AdmitLRUPolicy, DuelChainLRUPolicy])
+@pytest.mark.parametrize("cls", [AdmitARCPolicy, AdmitLRUPolicy])
 def test_a_reject_named_twice_in_one_access_is_promoted_once(cls: type[SecondSightPolicy]) -> None:
     # (pin gets each key once: the manager pins only keys whose count leaves 0.)
     p = cls(8)
@@ -378,47 +331,8 @@ def test_clear_forgets_everything(name: str | type[CachePolicy]) -> None:
     assert len(p) == 4 and len(store(p, [5])) == 1
 
 
-def request(policy: CachePolicy, ids: list[int]) -> None:
-    """Read ``ids`` as a connector does: the leading resident ones hit, the rest are stored."""
-    n = 0
-    while n < len(ids) and key(ids[n]) in policy:
-        n += 1
-    if n:
-        policy.access(keys(*ids[:n]))
-    store(policy, ids[n:])
-
-
-def test_duel_admits_everything_while_the_admitting_shadow_loses() -> None:
-    p = DuelChainLRUPolicy(8)  # a small tier: the shadows see every key
-    assert p.rate_mask == 0 and not p.admit_all()
-    for _ in range(3):  # keys read again right away: admission only loses hits
-        for i in range(0, 40, 2):
-            request(p, [i, i + 1])
-            request(p, [i, i + 1])
-    assert p.score > 0 and p.admit_all()
-    store(p, [100])
-    assert key(100) in p.inner  # admitted on its first sighting
-
-
-def test_duel_turns_admission_on_under_scans() -> None:
-    p = DuelChainLRUPolicy(8)
-    hot = list(range(4))
-    for n in range(30):  # a hot set between one-off scans longer than the tier
-        request(p, hot)
-        request(p, [1000 + 10 * n + j for j in range(4)])
-        request(p, [5000 + 10 * n + j for j in range(4)])
-    assert p.score < 0 and not p.admit_all()
-    assert all(key(i) in p for i in hot)
-
-
 class SmallHistory(AdmitARCPolicy):
     name = "arc_admit_small_history"
-    min_history = 6
-    history_factor = 1
-
-
-class SmallHistoryDuel(DuelChainLRUPolicy):
-    name = "chain_duel_small_history"
     min_history = 6
     history_factor = 1
 
@@ -503,13 +417,5 @@ class AdmissionMachine(RuleBasedStateMachine):
         assert not (set(p.ghost_rejects) | set(p.ghost_inner)) & self.resident
 
 
-class DuelMachine(AdmissionMachine):
-    """chain_duel against the same model (its reject share stays 0)."""
-
-    cls = SmallHistoryDuel
-
-
 TestAdmissionMachine = AdmissionMachine.TestCase
 TestAdmissionMachine.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
-TestDuelMachine = DuelMachine.TestCase
-TestDuelMachine.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)

@@ -266,7 +266,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--policies",
         default="all",
         help=f"comma-separated, or all ({', '.join(policy_names())}); --suite also takes a "
-        "building block's class name (e.g. SievePolicy; kvoffload.offload.policies)",
+        "building block's class name (e.g. AdmitLRUPolicy; kvoffload.offload.policies)",
     )
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM's own policies")
     parser.add_argument(

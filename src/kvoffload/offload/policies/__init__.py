@@ -4,11 +4,11 @@
   session hints included;
 - ``registry``: the menu of names a user picks from (``policy_names``,
   ``policy_menu``, ``make_policy``; see there for when to pick each);
-- the simple policies: ``lru`` (``LRUPolicy``, vLLM's; ``FlatLRUPolicy``),
-  ``arc`` (``ARCPolicy``, vLLM's), ``s3fifo``, ``sieve``, ``admission``
-  (second-sighting admission in front of LRU or ARC, as vLLM's
-  ``store_threshold=2``) and ``chain_duel`` (chain-aware LRU whose admission a
-  duel of two shadows picks: an earlier stage of the default);
+- the simple policies: ``lru`` (``LRUPolicy``, vLLM's; ``FlatLRUPolicy``, its
+  chain-unaware order, the reference the manager's tests check both against),
+  ``arc`` (``ARCPolicy``, vLLM's) and ``admission`` (second-sighting admission
+  in front of LRU or ARC, as vLLM's ``store_threshold=2``; its ``Sightings``
+  counter is the vLLM plug-in's ``store_threshold`` too);
 - ``default``: the default policy (``queue_arms``), one module per layer in
   the order a request meets them (queue hints, the duel of structures, the
   admission arms, their shadows, the chain-aware LRU list, the ARC structure).
@@ -17,7 +17,6 @@
 from kvoffload.offload.policies.admission import AdmitARCPolicy, AdmitLRUPolicy
 from kvoffload.offload.policies.arc import ARCPolicy
 from kvoffload.offload.policies.base import CachePolicy
-from kvoffload.offload.policies.chain_duel import DuelChainLRUPolicy
 from kvoffload.offload.policies.default import (
     ArmsChainLRUPolicy,
     ChainLRUPolicy,
@@ -35,8 +34,6 @@ from kvoffload.offload.policies.registry import (
     policy_names,
     register_policy,
 )
-from kvoffload.offload.policies.s3fifo import S3FIFOPolicy
-from kvoffload.offload.policies.sieve import SievePolicy
 
 __all__ = [
     "BUILDING_BLOCKS",
@@ -47,14 +44,11 @@ __all__ = [
     "ArmsChainLRUPolicy",
     "CachePolicy",
     "ChainLRUPolicy",
-    "DuelChainLRUPolicy",
     "FlatLRUPolicy",
     "LRUPolicy",
     "PolicyDuel",
     "QueueArmsPolicy",
     "QueueAwarePolicy",
-    "S3FIFOPolicy",
-    "SievePolicy",
     "all_policies",
     "make_policy",
     "policy_menu",

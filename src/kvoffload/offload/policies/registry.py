@@ -3,10 +3,13 @@
 Only policies a user has a reason to choose are names: the default, vLLM's
 two (``lru``, ``arc``: the same decisions as vLLM 0.33's, for comparison or
 a known-good fallback) and any that leads somewhere in the held-out suite
-(``kvoffload bench offload --suite``). Building blocks and earlier stages of
-the default (``ChainLRUPolicy``, ``ArmsChainLRUPolicy``, ``PolicyDuel``,
-``S3FIFOPolicy``, ...) stay importable classes: ``make_policy`` and
-``CPUOffloadingManager(cache_policy=...)`` take such a class as well as a name.
+(``kvoffload bench offload --suite``). The building blocks a user composes
+(``BUILDING_BLOCKS``: chain-aware LRU, second-sighting admission in front of
+LRU or ARC) and the default's layers stay importable classes: ``make_policy``
+and ``CPUOffloadingManager(cache_policy=...)`` take such a class as well as a
+name. What no one composed or picked is gone (``chain_duel``, an earlier stage
+of the default; S3-FIFO; SIEVE, which led the loop family only beside chain-aware
+LRU): their suite figures are in the git history.
 """
 
 from __future__ import annotations
@@ -14,16 +17,12 @@ from __future__ import annotations
 from kvoffload.offload.policies.admission import AdmitARCPolicy, AdmitLRUPolicy
 from kvoffload.offload.policies.arc import ARCPolicy
 from kvoffload.offload.policies.base import CachePolicy
-from kvoffload.offload.policies.chain_duel import DuelChainLRUPolicy
 from kvoffload.offload.policies.default import (
     ArmsChainLRUPolicy,
     ChainLRUPolicy,
-    PolicyDuel,
     QueueArmsPolicy,
 )
-from kvoffload.offload.policies.lru import FlatLRUPolicy, LRUPolicy
-from kvoffload.offload.policies.s3fifo import S3FIFOPolicy
-from kvoffload.offload.policies.sieve import SievePolicy
+from kvoffload.offload.policies.lru import LRUPolicy
 
 POLICIES: dict[str, type[CachePolicy]] = {}
 #: Name -> one line on when to pick it (``--policy`` help and the docs print these).
@@ -66,17 +65,13 @@ def policy_names() -> list[str]:
     return sorted(POLICIES)
 
 
-#: Complete policies that are not names (building blocks, earlier stages of the default):
-#: importable, accepted by ``make_policy``, and covered by the contract tests.
+#: Complete policies that are not names, the blocks a user composes: chain-aware LRU (the
+#: default's list) and second-sighting admission (vLLM's ``store_threshold=2``) in front of
+#: LRU or ARC. Importable, accepted by ``make_policy``, covered by the contract tests.
 BUILDING_BLOCKS: tuple[type[CachePolicy], ...] = (
-    FlatLRUPolicy,
     ChainLRUPolicy,
-    S3FIFOPolicy,
-    SievePolicy,
     AdmitARCPolicy,
     AdmitLRUPolicy,
-    DuelChainLRUPolicy,
-    PolicyDuel,
 )
 
 

@@ -1,14 +1,15 @@
 """Three admission modes in front of chain-aware LRU, chosen by a duel of sampled shadow caches.
 
-``chain_duel`` chooses between admitting every new key and admitting only
-second sightings. Neither survives a loop: a cyclic working set larger than
-the tier (a few long prompts sent in turn) is all second sightings, and LRU
-evicts each block just before its next use, so the tier serves nothing. The
-third mode here is bimodal insertion (BIP, Qureshi et al., ISCA 2007): only
-about one store in ``bip_period`` is admitted, the others go to the reject
-FIFO that is evicted first, so the tier keeps the part of the loop it holds
-and serves it every cycle, and still turns over slowly when the working set
-moves. A store is admitted or not as a whole, so chains stay whole; until the
+An earlier stage of the default (``chain_duel``, in git history) chose
+between admitting every new key and admitting only second sightings. Neither
+survives a loop: a cyclic working set larger than the tier (a few long
+prompts sent in turn) is all second sightings, and LRU evicts each block
+just before its next use, so the tier serves nothing. The third mode here is
+bimodal insertion (BIP, Qureshi et al., ISCA 2007): only about one store in
+``bip_period`` is admitted, the others go to the reject FIFO that is evicted
+first, so the tier keeps the part of the loop it holds and serves it every
+cycle, and still turns over slowly when the working set moves. A store is
+admitted or not as a whole, so chains stay whole; until the
 tier first fills, every store is admitted (there is nothing to protect yet).
 
 Three shadow LRUs of ``capacity / rate`` slots replay a fixed sample of the
