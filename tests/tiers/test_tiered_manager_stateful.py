@@ -21,7 +21,6 @@ from kvoffload.offload.policies import (
     AdmitARCPolicy,
     AdmitLRUPolicy,
     ChainLRUPolicy,
-    DuelChainLRUPolicy,
 )
 from kvoffload.tiers.disk.manager import DiskOffloadingManager
 from kvoffload.tiers.lower_tier import LowerTierManager
@@ -80,9 +79,7 @@ class TieredMachine(RuleBasedStateMachine):
         mode=st.sampled_from(["write_back", "write_through"]),
         cpu_blocks=st.integers(1, 4),
         disk_blocks=st.integers(1, 5),
-        policy=st.sampled_from(
-            ["lru", ChainLRUPolicy, "arc", AdmitLRUPolicy, AdmitARCPolicy, DuelChainLRUPolicy]
-        ),
+        policy=st.sampled_from(["lru", ChainLRUPolicy, "arc", AdmitLRUPolicy, AdmitARCPolicy]),
     )
     def start(self, tiers: str, mode: str, cpu_blocks: int, disk_blocks: int, policy: str) -> None:
         lower: list[LowerTierManager] = []
