@@ -13,7 +13,8 @@ kvoffload's keys:
   Store tier instead of Redis (``KVOffloadMooncakeTier``);
 - ``sliding_window_keep`` / ``sliding_window_keep_every``: KVOffloadConnector
   keeps the sliding-window chunks a hit at an earlier boundary needs
-  (``kvoffload.integrations.vllm.groups.window_keep``; off by default);
+  (``kvoffload.integrations.vllm.groups.window_keep``; on by default where the
+  CPU tier is kvoffload's chunk-unit policy);
 - ``write_through``: accepted; the lower tiers run under vLLM's tiering
   manager, which writes every block down to every lower tier as soon as it
   reaches the CPU tier (write-through) whatever the value.
