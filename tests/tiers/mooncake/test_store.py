@@ -119,10 +119,10 @@ def test_a_corrupt_value_is_a_miss_then_rewritten(
 
 def store_value(store: MooncakeBlockStore, key: bytes, payload: np.ndarray) -> bytes:
     """The exact value ``store`` writes for ``key`` (header + payload)."""
-    from kvoffload.tiers.mooncake import store as mod
+    from kvoffload.tiers.mooncake.values import checksum, pack_header
 
     header = np.zeros(HEADER_BYTES, dtype=np.uint8)
-    mod._pack_header(header, store.block_bytes, mod._checksum(store.object_key(key), payload))
+    pack_header(header, store.block_bytes, checksum(store.object_key(key), payload))
     return header.tobytes() + payload.tobytes()
 
 

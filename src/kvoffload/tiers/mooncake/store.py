@@ -35,17 +35,13 @@ registered scratch area (a copy; serialised by a lock).
 
 from __future__ import annotations
 
-import json
 import logging
 import re
-import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
-import xxhash
 
 from kvoffload.tiers.alarm import FailingAlarm
 from kvoffload.tiers.mooncake.client import (
@@ -60,15 +56,17 @@ from kvoffload.tiers.mooncake.client import (
 )
 from kvoffload.tiers.mooncake.presence import LOST_HOLD_S, LostKeys
 from kvoffload.tiers.mooncake.probe import PROBE_INTERVAL_S, Breaker
+from kvoffload.tiers.mooncake.values import (
+    HEADER_BYTES,
+    checksum,
+    namespace_prefix,
+    pack_header,
+    verify,
+)
 from kvoffload.transfer.block_buffers import BlockBuffers, as_block_views
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-_MAGIC = b"KVM1"
-# magic, version, pad, payload length, checksum of key + payload
-_HEADER = struct.Struct("<4sBxxxIQ")
-HEADER_BYTES = _HEADER.size
 #: A key no engine stores, asked by the breaker's probe.
 _PROBE_KEY = "kvo/probe"
 
@@ -89,41 +87,6 @@ class MooncakeStoreStats:
     poisoned_keys: int = 0
     outages: int = 0
     calls_skipped: int = 0
-
-
-def namespace_prefix(
-    namespace: str, block_bytes: int, geometry_fingerprint: str, hash_fn: str
-) -> str:
-    """The key prefix: namespace plus a digest of everything that makes blocks compatible."""
-    if not namespace or "/" in namespace:
-        raise ValueError(f"the Mooncake namespace must be non-empty without '/', got {namespace!r}")
-    ident = json.dumps(
-        {
-            "store": "mooncake",
-            "version": FORMAT_VERSION,
-            "block_bytes": block_bytes,
-            "geometry": geometry_fingerprint,
-            "hash_fn": hash_fn,
-        },
-        sort_keys=True,
-    )
-    return f"kvo/{namespace}/{xxhash.xxh3_64_hexdigest(ident.encode())}/"
-
-
-def _checksum(key: str, payload: Any) -> int:
-    h = xxhash.xxh3_64()
-    h.update(key.encode())
-    h.update(payload)
-    return h.intdigest()
-
-
-def _pack_header(header: Any, block_bytes: int, csum: int) -> None:
-    _HEADER.pack_into(header, 0, _MAGIC, FORMAT_VERSION, block_bytes, csum)
-
-
-def _unpack_header(header: Any) -> tuple[bytes, int, int, int]:
-    magic, version, length, csum = _HEADER.unpack_from(header, 0)
-    return magic, version, length, csum
 
 
 def _refusal_alarm(shown: str) -> FailingAlarm:
@@ -264,8 +227,8 @@ class MooncakeBlockStore:
             return [False] * n
         okeys = [self.object_key(k) for k in keys]
         for i in range(n):
-            csum = _checksum(okeys[i], payloads[i])
-            _pack_header(headers[i], self.block_bytes, csum)
+            csum = checksum(okeys[i], payloads[i])
+            pack_header(headers[i], self.block_bytes, csum)
         answers = [0] * n
         plain = [i for i in range(n) if okeys[i] not in self._rewrite]
         if plain:
@@ -287,8 +250,8 @@ class MooncakeBlockStore:
         """Replace the values of keys found bad (one value buffer per key: a staged copy)."""
         values = np.empty((len(idx), self.value_bytes), dtype=np.uint8)
         for j, i in enumerate(idx):
-            csum = _checksum(okeys[i], payloads[i])
-            _pack_header(values[j], self.block_bytes, csum)
+            csum = checksum(okeys[i], payloads[i])
+            pack_header(values[j], self.block_bytes, csum)
             values[j, HEADER_BYTES:] = payloads[i]
         if self._client.register_buffer(values.ctypes.data, values.nbytes) != 0:
             for i in idx:
@@ -375,10 +338,7 @@ class MooncakeBlockStore:
         return answers
 
     def _verify(self, okey: str, header: np.ndarray, payload: np.ndarray) -> bool:
-        magic, version, length, csum = _unpack_header(header)
-        if magic != _MAGIC or version != FORMAT_VERSION or length != self.block_bytes:
-            return False
-        return _checksum(okey, payload) == csum
+        return verify(okey, header, payload, self.block_bytes)
 
     def _drop(self, bad: list[str], lost: list[str], remove: bool) -> None:
         """Remove values that failed verification (rewritten by upsert) and lost ones
