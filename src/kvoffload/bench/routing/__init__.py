@@ -5,5 +5,6 @@ indexer over kvoffload's KV events), round robin and at random; hit rates, TTFT 
 throughput per router. Its parts: ``workloads`` (the requests), ``worker`` (one engine
 process per instance), ``indexer`` (Dynamo's indexer: client and launcher), ``services``
 (Redis and the indexer), ``routers`` (the routers), ``routed_run`` (one routed run),
-``report`` (tables and the plot).
+``report`` (tables and the plot), ``chunks`` (what a router may count of an instance whose
+offloaded chunks are several GPU blocks).
 """
