@@ -201,3 +201,37 @@ def test_waiting_for_a_stage_runs_it_here_when_the_pool_is_busy() -> None:
     assert results[2].success and results[2].num_bytes == 3
     handler.wait_stage(2, 0)  # a finished job: returns at once
     handler.close()
+
+
+class SlowFirstStage(Staged):
+    """Stage 0 of job 2 holds its pool thread until the gate opens."""
+
+    def prepare_staged(self, job_id: int, spec: TransferSpec, stages) -> list[Work]:
+        self.started = threading.Event()
+
+        def work(k: int) -> int:
+            if k == 0:
+                self.started.set()
+                self.gate.wait(30)
+            self.stages_ran.append((k, threading.current_thread().name))
+            return 1
+
+        return [lambda k=k: work(k) for k in range(len(stages))]
+
+
+def test_a_waiter_whose_stage_is_being_copied_copies_the_last_stages_meanwhile() -> None:
+    handler = SlowFirstStage()
+    handler.submit_staged(2, _spec(), [[0], [1], [2], [3]])
+    assert handler.started.wait(30)  # stage 0 runs on the pool thread, held at the gate
+    here = threading.current_thread().name
+    opener = threading.Timer(0.5, handler.gate.set)
+    opener.start()
+    handler.wait_stage(2, 0)
+    # Back to front while stage 0 was copied elsewhere: 3, 2, 1 (the pool thread found
+    # nothing left after stage 0).
+    assert [(k, n) for k, n in handler.stages_ran if n == here] == [(3, here), (2, here), (1, here)]
+    assert (0, here) not in handler.stages_ran
+    assert handler.wait([2], timeout=30)
+    assert handler.get_finished()[0].num_bytes == 4
+    opener.join()
+    handler.close()

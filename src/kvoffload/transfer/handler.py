@@ -226,6 +226,12 @@ class ThreadPoolTransferHandler(TransferHandler):
     def wait_stage(self, job_id: int, stage: int) -> None:
         """Return once stage ``stage`` of a staged job is done (run here if nobody started it).
 
+        While another thread copies that stage, the waiting thread (idle
+        otherwise: its forward pass needs the stage) copies the job's last
+        stage nobody started, and so on until its stage is done: the pool
+        thread goes front to back, the waiter back to front, and a load whose
+        forward pass catches up with its copy is copied by two threads. A
+        waiter returns at most one stage's copy after its stage is done.
         A job that is not staged, unknown or finished returns at once.
         """
         with self._cond:
@@ -235,8 +241,17 @@ class ThreadPoolTransferHandler(TransferHandler):
             part = parts[stage]
         if self._claim(part):
             self._run(part)
-        with self._cond:
-            self._cond.wait_for(lambda: part.done)
+        while True:
+            with self._cond:
+                if part.done:
+                    return
+                left = self._unclaimed.get(job_id, ())
+                spare = next((p for p in reversed(parts) if p in left), None)
+                if spare is None:
+                    self._cond.wait_for(lambda: part.done)
+                    return
+            if self._claim(spare):
+                self._run(spare)
 
     def _release_held(self) -> None:
         """Hand expedited parts no wait has run to the pool (cheap when there are none)."""
