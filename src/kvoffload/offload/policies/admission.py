@@ -173,10 +173,10 @@ class SecondSightPolicy(CachePolicy):
             return []
         rejects, inner = self.rejects, self.inner
         # Rejects beyond their target share go first; then the inner policy's victims.
-        k = min(n, max(0, len(rejects) - int(self.target)))
-        k = max(k, n - inner.num_evictable())
-        victims = [rejects.popitem(last=False)[0] for _ in range(k)]
-        rest = inner.evict(n - k, admitted)
+        r = min(n, max(0, len(rejects) - int(self.target)))
+        r = max(r, n - inner.num_evictable())
+        victims = [rejects.popitem(last=False)[0] for _ in range(r)]
+        rest = inner.evict(n - r, admitted)
         if self.adaptive_share:
             self._ghost(self.ghost_rejects, victims, self.capacity)
             self._ghost(self.ghost_inner, rest, self.capacity)

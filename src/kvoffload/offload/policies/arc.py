@@ -40,7 +40,7 @@ _OLDEST = (False,)  # popitem's argument: the least recent item
 
 #: Runs an iterator of calls to its end in C (a zero-length deque keeps nothing); a
 #: bound C method, so no Python frame per use.
-_consume: Callable[[Iterable[object]], None] = deque(maxlen=0).extend
+_consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 
 
 class ARCPolicy(CachePolicy):

@@ -54,7 +54,7 @@ class CachePolicy(ABC):
         cheap (no per-key work), and right for any policy whose state is all
         set up there. The caller must hold no pins (the manager resets only then).
         """
-        type(self).__init__(self, self.capacity)  # type: ignore[misc]
+        type(self).__init__(self, self.capacity)
 
     @staticmethod
     def chain_order(keys: Sequence[OffloadKey]) -> Sequence[OffloadKey]:

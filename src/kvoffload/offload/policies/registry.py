@@ -94,7 +94,7 @@ def make_policy(name: str | type[CachePolicy], capacity: int) -> CachePolicy:
     if isinstance(name, type) and issubclass(name, CachePolicy):
         return name(capacity)
     try:
-        cls = POLICIES[name]  # type: ignore[index]
+        cls = POLICIES[name]
     except (KeyError, TypeError):
         raise ValueError(
             f"unknown cache policy {name!r}; known: {', '.join(policy_names())}"

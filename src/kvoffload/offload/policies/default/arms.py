@@ -41,7 +41,7 @@ _OLDEST = (False,)  # popitem's argument: the least recent item
 
 #: Runs an iterator of calls to its end in C (a zero-length deque keeps nothing); a
 #: bound C method, so no Python frame per use.
-_consume: Callable[[Iterable[object]], None] = deque(maxlen=0).extend
+_consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 
 
 def sampled(keys: Sequence[OffloadKey], mask: int) -> Sequence[OffloadKey]:
@@ -407,10 +407,10 @@ class ArmsChainLRUPolicy(SecondSightPolicy):
             self.inner.evict(0, admitted)
             return []
         rejects, inner = self.rejects, self.inner
-        k = min(n, len(rejects))
-        k = max(k, n - inner.num_evictable())
-        victims = [rejects.popitem(last=False)[0] for _ in range(k)]
-        return victims + inner.evict(n - k, admitted)
+        r = min(n, len(rejects))
+        r = max(r, n - inner.num_evictable())
+        victims = [rejects.popitem(last=False)[0] for _ in range(r)]
+        return victims + inner.evict(n - r, admitted)
 
     def _evict_decided(
         self, n: int, incoming: Sequence[OffloadKey], offered: dict[OffloadKey, bool]

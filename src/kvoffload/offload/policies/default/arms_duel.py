@@ -195,9 +195,9 @@ class ArmsDuel(ArmsChainLRUPolicy):
         if not fresh:
             return
         inner = self.inner
-        moved = [k for k in inner.lru_order() if k in fresh]  # type: ignore[attr-defined]
+        moved = [k for k in inner.lru_order() if k in fresh]
         for k in moved:
-            inner.discard(k)  # type: ignore[attr-defined]
+            inner.discard(k)
         self.rejects.update(dict.fromkeys(moved))
         fresh.clear()
 

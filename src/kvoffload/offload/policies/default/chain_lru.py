@@ -171,8 +171,9 @@ class ChainLRUPolicy(CachePolicy):
             node.older = node.newer = None
             node = nxt
         if n:
+            assert node is not None  # the tail sentinel at least
             head.newer = node
-            node.older = head  # type: ignore[union-attr]
+            node.older = head
             self._linked -= n
             if parent is not None and parent.older is None and node.key is not None:
                 self._hints[incoming[0]] = node.key

@@ -45,7 +45,7 @@ _OLDEST = (False,)  # popitem's argument: the least recent item
 
 #: Runs an iterator of calls to its end in C (a zero-length deque keeps nothing); a
 #: bound C method, so no Python frame per use.
-_consume: Callable[[Iterable[object]], None] = deque(maxlen=0).extend
+_consume: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 
 
 class ShadowTier:
@@ -216,6 +216,7 @@ class ShadowTier:
                 lru[key] = None
         if len(new) < len(offered):
             # Declined keys take only what costs no kept key: free slots and old rejects.
+            declined: Sequence[OffloadKey]
             if new:
                 admitted = set(new)
                 declined = [k for k in offered if k not in admitted][: cap - len(lru)]
@@ -281,7 +282,7 @@ class ShadowTier:
         arc.offer_one(key)
         return 0
 
-    def _admitted(self, offered: list[OffloadKey]) -> list[OffloadKey]:
+    def _admitted(self, offered: Sequence[OffloadKey]) -> Sequence[OffloadKey]:
         mode = self.mode
         if mode == ALL:
             return offered
