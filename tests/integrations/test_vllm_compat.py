@@ -27,3 +27,13 @@ def test_installed_vllm_is_supported() -> None:
     assert compat.check_supported() == (0, 33)
     assert compat.is_supported((0, 32))
     assert not compat.is_supported((0, 34))
+
+
+def test_the_tier_poll_interval_reaches_vllms_tiering_manager() -> None:
+    """0.33 takes ``tier_poll_interval_s``; kvoffload's subclass passes it on through
+    ``**kwargs``, so the keyword must not be filtered out by the subclass's signature."""
+    from kvoffload.integrations.vllm.scheduler.tiering import KVOffloadTieringManager
+
+    kwargs = compat.tiering_manager_kwargs(KVOffloadTieringManager, tier_poll_interval_s=0.5)
+    assert kwargs == {"tier_poll_interval_s": 0.5}
+    assert compat.tiering_manager_kwargs(KVOffloadTieringManager, no_such_keyword=1) == {}

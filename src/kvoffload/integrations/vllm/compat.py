@@ -71,8 +71,13 @@ def make_primary_tier(**kwargs: object) -> Any:
 
 def tiering_manager_kwargs(cls: type, **kwargs: object) -> dict[str, object]:
     """Keywords for a ``TieringOffloadingManager`` (sub)class: ``tier_poll_interval_s`` is
-    0.33-only (0.32 services its tiers once per engine step, from ``on_schedule_end``)."""
-    return _accepted(cls, kwargs)
+    0.33-only (0.32 services its tiers once per engine step, from ``on_schedule_end``).
+
+    A subclass that hands ``**kwargs`` on to vLLM's class takes what vLLM's takes.
+    """
+    from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+
+    return {**_accepted(TieringOffloadingManager, kwargs), **_accepted(cls, kwargs)}
 
 
 def tiering_config_info_keys(secondary_tiers: Iterable[Mapping[str, Any]]) -> tuple[str, ...]:
