@@ -78,6 +78,7 @@ def replay(
     prepare_store, complete_store, touch = m.prepare_store, m.complete_store, m.touch
     admit = m.admit if admission else _admit_all
     hinted = times is not None and lookahead_ms > 0
+    arrivals: Sequence[float] = times if times is not None else ()
     queued, dequeued = _hint_calls(m)
     announced = 0
     n_req = len(trace)
@@ -87,8 +88,8 @@ def replay(
         if continues is not None and i and continues[i - 1] and trace[i - 1]:
             m.hint_continues(trace[i - 1])  # request i - 1 is served: its session goes on
         if hinted:
-            horizon = times[i] + lookahead_ms  # type: ignore[index]
-            while announced < n_req and times[announced] <= horizon:  # type: ignore[index]
+            horizon = arrivals[i] + lookahead_ms
+            while announced < n_req and arrivals[announced] <= horizon:
                 if trace[announced]:
                     queued(str(announced), trace[announced])
                 announced += 1

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 from kvoffload.bench.policy import vllm_replay as offload_vllm
 from kvoffload.bench.policy.replay import (
@@ -170,12 +171,12 @@ def parse_variant(spec: str) -> list[Variant]:
     return [Variant(cls, attr, v) for v in nums]
 
 
-def _policy_class(package: object, name: str) -> type:
+def _policy_class(package: ModuleType, name: str) -> type:
     import importlib
     import pkgutil
 
-    pkg_name = package.__name__  # type: ignore[attr-defined]
-    for info in pkgutil.iter_modules(package.__path__):  # type: ignore[attr-defined]
+    pkg_name = package.__name__
+    for info in pkgutil.iter_modules(package.__path__):
         mod = importlib.import_module(f"{pkg_name}.{info.name}")
         cls = getattr(mod, name, None)
         if isinstance(cls, type):

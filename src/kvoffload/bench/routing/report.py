@@ -27,12 +27,12 @@ def vs_baseline(results: Sequence[RunResult]) -> dict[tuple[str, int, str], floa
 
 
 def print_table(results: Sequence[RunResult], title: str) -> None:
-    from rich.console import Console
+    from rich.console import Console, JustifyMethod
     from rich.table import Table
 
     ratio = vs_baseline(results)
     table = Table(title=title)
-    for name, justify in (
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("workload", "left"),
         ("N", "right"),
         ("router", "left"),
@@ -45,8 +45,9 @@ def print_table(results: Sequence[RunResult], title: str) -> None:
         ("TTFT p99 (ms)", "right"),
         ("to longest prefix", "right"),
         ("per instance", "left"),
-    ):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    )
+    for name, justify in columns:
+        table.add_column(name, justify=justify)
     for r in results:
         x = ratio.get((r.workload, r.instances, r.router))
         table.add_row(

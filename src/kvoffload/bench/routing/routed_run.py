@@ -19,14 +19,19 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection, wait
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 
 from kvoffload.bench.routing.indexer import IndexerClient, TierOverlap, free_port
 from kvoffload.bench.routing.routers import Load, Router
 from kvoffload.bench.routing.services import flush_redis
-from kvoffload.bench.routing.worker import EngineProcess, InstanceEndpoints
+from kvoffload.bench.routing.worker import (
+    EngineProcess,
+    EngineStats,
+    InstanceEndpoints,
+    RequestRecord,
+)
 from kvoffload.bench.routing.workloads import RouteRequest
 from kvoffload.engine.config import EngineConfig
 
@@ -121,7 +126,7 @@ def _dispatch(
     index_of = {inst.endpoints.instance_id: i for i, inst in enumerate(instances) if inst.endpoints}
     loads = [Load() for _ in range(n)]
     placed: dict[str, tuple[int, int]] = {}  # req_id -> (instance, estimated prefill)
-    outputs: list[dict[str, object]] = []
+    outputs: list[RequestRecord] = []
     pending = deque(requests)
     sent_to_best = with_holder = 0
     per_instance = [0] * n
@@ -150,7 +155,7 @@ def _dispatch(
             msg = instances[conns[cast("Connection[Any, Any]", conn)]].recv()  # raises on error
             if msg[0] != "out":
                 continue
-            out: dict[str, object] = msg[1]  # type: ignore[assignment]
+            out: RequestRecord = msg[1]
             i, estimate = placed.pop(str(out["req_id"]))
             loads[i].requests -= 1
             loads[i].prefill_tokens -= estimate
@@ -168,26 +173,26 @@ def _summarise(
     workload: str,
     n: int,
     router: str,
-    outputs: list[dict[str, object]],
-    stats: list[dict[str, object]],
+    outputs: list[RequestRecord],
+    stats: list[EngineStats],
     sent_to_best: int,
     with_holder: int,
     per_instance: list[int],
     wall: float,
 ) -> RunResult:
-    def total(key: str) -> int:
-        return sum(int(o[key]) for o in outputs)  # type: ignore[call-overload]
+    def total(key: Literal["prompt_len", "tier_hit", "computed", "gpu_hit"]) -> int:
+        return sum(int(o[key]) for o in outputs)
 
     prompt = total("prompt_len")
     tier_hit = total("tier_hit")
     cpu = redis = 0
     for s in stats:
-        tiers = cast("dict[str, int]", s.get("tiers") or {})
+        tiers = s.get("tiers") or {}
         cpu += int(tiers.get("cpu_hit_tokens", 0))
         redis += int(tiers.get("lower_hit_tokens", 0))
     if cpu + redis == 0:
         cpu = tier_hit  # no lower tier: every tier hit came from the CPU
-    ttfts = np.array([float(o["ttft_s"]) for o in outputs] or [0.0])  # type: ignore[arg-type]
+    ttfts = np.array([float(o["ttft_s"]) for o in outputs] or [0.0])
     return RunResult(
         workload=workload,
         instances=n,

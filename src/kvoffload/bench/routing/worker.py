@@ -28,7 +28,7 @@ import multiprocessing as mp
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypedDict
 
 from kvoffload.engine.config import EngineConfig
 
@@ -44,7 +44,26 @@ class InstanceEndpoints:
     replay: str
 
 
-def _output_dict(out: Any) -> dict[str, object]:
+class RequestRecord(TypedDict):
+    """One finished request, as an engine process reports it (``("out", record)``)."""
+
+    req_id: str
+    prompt_len: int
+    ttft_s: float
+    latency_s: float
+    gpu_hit: int
+    tier_hit: int
+    computed: int
+    output_tokens: int
+
+
+class EngineStats(TypedDict):
+    """An engine's final figures (``("stats", stats)``): tokens hit per lower tier."""
+
+    tiers: dict[str, int]
+
+
+def _output_dict(out: Any) -> RequestRecord:
     return {
         "req_id": out.req_id,
         "prompt_len": out.prompt_len,
@@ -126,7 +145,8 @@ class EngineProcess:
         self.process.start()
         child.close()
 
-    def recv(self, timeout_s: float | None = None) -> tuple[object, ...]:
+    def recv(self, timeout_s: float | None = None) -> tuple[Any, ...]:
+        """The next message (a tuple tagged by its first item; see the module docstring)."""
         if timeout_s is not None and not self.conn.poll(timeout_s):
             raise RuntimeError(f"engine process {self.index}: no answer in {timeout_s:.0f}s")
         try:
@@ -152,13 +172,14 @@ class EngineProcess:
     def add(self, req_id: str, token_ids: list[int], max_tokens: int, continues: bool) -> None:
         self.conn.send(("add", req_id, token_ids, max_tokens, continues))
 
-    def stop(self) -> dict[str, object]:
+    def stop(self) -> EngineStats:
         """End the engine (after its outstanding requests); its final stats."""
         self.conn.send(("stop",))
         while True:
             msg = self.recv()
             if msg[0] == "stats":
-                return msg[1]  # type: ignore[return-value]
+                stats: EngineStats = msg[1]
+                return stats
 
     def close(self) -> None:
         with contextlib.suppress(OSError, ValueError):
