@@ -54,6 +54,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvoffload.integrations.vllm import compat
 from kvoffload.integrations.vllm.scheduler.connector_build import current_build
 from kvoffload.integrations.vllm.settings import KVOffloadConfigError
 from kvoffload.offload import CPUOffloadingManager
@@ -346,7 +347,7 @@ def widest_window(sched: Any) -> int:
             spec, "attention_chunk_size", None
         )
         if not window:
-            chunks = getattr(g, "sliding_window_size_in_chunks", None)
+            _, chunks = compat.group_window_chunks(g)
             window = chunks * g.tokens_per_chunk if chunks else 0
         widest = max(widest, int(window))
     return widest
