@@ -132,6 +132,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
         ("kvoffload.bench.plots", "PlotsUnavailable"),
         ("kvoffload.tiers.disk.store", "DiskStoreError"),
         ("kvoffload.tiers.redis.store", "RedisStoreError"),
+        ("kvoffload.tiers.mooncake.client", "MooncakeUnavailable"),
         ("kvoffload.tiers.tiered_handler", "JobRejected"),
         ("redis.exceptions", "RedisError"),
         ("safetensors", "SafetensorError"),
