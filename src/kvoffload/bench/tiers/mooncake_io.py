@@ -256,7 +256,7 @@ def mooncake_table(report: dict[str, Any]) -> Any:
         caption="remote: another process holds the segment (loopback TCP, as Redis); "
         "local: this process holds it. x: remote Mooncake / Redis (presence: Redis / Mooncake)",
     )
-    cols = ("block", "put", "get", "presence", "local put", "local get", "local pres.")
+    cols = ("block", "put", "get", "pres.", "local put", "local get", "local pres.")
     for col in (*cols, "Redis put", "Redis get", "Redis pres.", "put x", "get x", "pres. x"):
         t.add_column(col, justify="right")
     for r in report["mooncake"]:
