@@ -32,8 +32,11 @@ from kvoffload.transfer import LAYOUT_KINDS, format_bytes
 
 THIS = "this"
 _CHILD = Path(__file__).with_name("child.py")
-# All children's tiers together stay within this share of the available memory.
+# All children's tiers together stay within this share of the available memory,
+# and each tier within _TIER_CAP: a ratio to a bulk copy of the same bytes needs
+# no more (the machine is shared, and every revision holds two tiers at once).
 _MEMORY_SHARE = 0.5
+_TIER_CAP = 512 << 20
 
 
 def this_source() -> Path:
@@ -159,7 +162,7 @@ def compare(
     kinds = list(LAYOUT_KINDS) if args.layout == "all" else [args.layout]
     names = [THIS, *revs]
     avail = _available_memory() or (8 << 30)
-    per_tier = int(avail * _MEMORY_SHARE) // (2 * len(names))
+    per_tier = min(int(avail * _MEMORY_SHARE) // (2 * len(names)), _TIER_CAP)
     tmp = Path(tempfile.mkdtemp(prefix="kvoffload-against-"))
     children: list[Child] = []
     results = []
