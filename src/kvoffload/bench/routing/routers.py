@@ -33,7 +33,7 @@ from __future__ import annotations
 import random
 from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvoffload.bench.routing.indexer import TierOverlap
 
@@ -46,12 +46,6 @@ class Load:
 
     requests: int = 0
     prefill_tokens: int = 0  # estimated tokens still to compute for those requests
-
-
-@dataclass
-class Decision:
-    instance: int
-    overlaps: dict[int, TierOverlap] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
