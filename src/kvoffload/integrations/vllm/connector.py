@@ -254,18 +254,10 @@ class KVOffloadConnector(OffloadingConnector):
         ):
             super().update_state_after_alloc(request, blocks, num_external_tokens)
             return
-        local = sched._req_status[request.request_id].num_locally_computed_tokens
         groups = [(g.group_idx, g.tokens_per_block) for g in sched.config.kv_group_configs]
-        before = set(sched._current_batch_load_jobs)
-        super().update_state_after_alloc(
-            request, sync.unhashed_view(blocks, groups, local), num_external_tokens
-        )
-        for job_id in set(sched._current_batch_load_jobs) - before:
-            sync.add_job(job_id)
-            # Done before this step's forward pass: other requests may hit these
-            # chunks in the GPU tier at once, not wait for the load's report.
-            if sched._chunks_being_loaded is not None:
-                sched._chunks_being_loaded.difference_update(sched._jobs[job_id].keys)
+        view, before = sync.alloc_view(sched, request.request_id, blocks, groups)
+        super().update_state_after_alloc(request, view, num_external_tokens)
+        sync.claim_new_jobs(sched, before)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -313,7 +305,7 @@ class KVOffloadConnector(OffloadingConnector):
             meta = super().build_connector_meta(scheduler_output)
         else:
             assert self.connector_scheduler is not None
-            with sync.posing_as_stores(self.connector_scheduler._jobs):
+            with sync.posing_as_stores(self.connector_scheduler):
                 meta = super().build_connector_meta(scheduler_output)
             meta = sync.metadata(meta)
             sync.end_step()

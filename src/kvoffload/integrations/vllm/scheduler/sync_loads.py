@@ -30,9 +30,9 @@ asynchronous one (vLLM rolls the running request back and recomputes).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingConnectorMetadata,
@@ -54,6 +54,28 @@ def kv_bytes_per_token(kv_cache_config: Any, group_ids: Iterable[int]) -> int:
         layers = 1 if type(spec).__name__ == "UniformTypeKVCacheSpecs" else len(group.layer_names)
         total += spec.page_size_bytes * layers // spec.block_size
     return total
+
+
+class JobStatusView(Protocol):
+    """A job of vLLM 0.32's offloading scheduler (its ``_jobs`` table)."""
+
+    keys: Collection[Any]
+    is_store: bool
+
+
+class RequestStatusView(Protocol):
+    @property
+    def num_locally_computed_tokens(self) -> int: ...
+
+
+class OffloadingScheduler032(Protocol):
+    """The private state of vLLM 0.32's offloading scheduler that this bridge reads: 0.32
+    has no synchronous loads, so they are added from outside (nothing else reads these)."""
+
+    _req_status: Mapping[str, RequestStatusView]
+    _current_batch_load_jobs: Collection[int]
+    _chunks_being_loaded: set[Any] | None
+    _jobs: dict[int, JobStatusView]
 
 
 @dataclass
@@ -124,8 +146,29 @@ class SyncLoads:
         self._step_jobs.add(job_id)
         self._in_flight.add(job_id)
 
+    def alloc_view(
+        self,
+        sched: OffloadingScheduler032,
+        req_id: str,
+        blocks: Any,
+        groups: Sequence[tuple[int, int]],
+    ) -> tuple[Any, set[int]]:
+        """For 0.32's ``update_state_after_alloc`` of a synchronous hit: the blocks as it
+        must see them (``unhashed_view``) and the load jobs before the call."""
+        local = sched._req_status[req_id].num_locally_computed_tokens
+        return self.unhashed_view(blocks, groups, local), set(sched._current_batch_load_jobs)
+
+    def claim_new_jobs(self, sched: OffloadingScheduler032, before: set[int]) -> None:
+        """After that call: its new load jobs are synchronous, and their chunks are on
+        the GPU before this step's forward pass, so other requests may hit them at once
+        instead of waiting for the load's report."""
+        for job_id in set(sched._current_batch_load_jobs) - before:
+            self.add_job(job_id)
+            if sched._chunks_being_loaded is not None:
+                sched._chunks_being_loaded.difference_update(sched._jobs[job_id].keys)
+
     @contextlib.contextmanager
-    def posing_as_stores(self, jobs: dict[int, Any]) -> Iterator[None]:
+    def posing_as_stores(self, sched: OffloadingScheduler032) -> Iterator[None]:
         """Within the block, the synchronous loads still in ``jobs`` (vLLM 0.32's job
         table) look like stores.
 
@@ -136,6 +179,7 @@ class SyncLoads:
         pass, while its request already runs. 0.33 relaxes both assertions for
         its own synchronous loads; nothing else in that call reads the flag.
         """
+        jobs = sched._jobs
         self._in_flight &= jobs.keys()
         posed = [jobs[j] for j in self._in_flight if not jobs[j].is_store]
         for status in posed:
