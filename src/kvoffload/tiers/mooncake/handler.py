@@ -5,9 +5,11 @@ handler registers it with the Mooncake client once, beside an array of one
 16-byte header per slot, and each block moves as two buffers of one object:
 its header and its slot (``MooncakeBlockStore.put_views`` / ``get_views``).
 A slot belongs to one job at a time, so its header row needs no lock.
-Other layouts go through ``SlotTierHandler``'s gather / scatter and the
-store's byte path (one copy). A job succeeds only if every block moved; the
-handler decides nothing about what to store or load.
+Other layouts gather the slots into a staging array (and scatter them back),
+the one copy any tier makes for them; over TCP that array is registered for
+the call (~5 us) and moved the same way, over RDMA (where registering costs
+milliseconds) the store's byte path takes it. A job succeeds only if every
+block moved; the handler decides nothing about what to store or load.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 from kvoffload.tiers.lower_tier import REMOTE_MEDIUM, RemoteLoadStoreSpec
 from kvoffload.tiers.mooncake.store import HEADER_BYTES, MooncakeBlockStore
@@ -53,7 +56,7 @@ class MooncakeTransferHandler(SlotTierHandler):
     def write(self, src: Any, dst: Any) -> list[bool]:
         """CPU slots -> Mooncake; per block, whether the store accepted it."""
         if self._headers is None:
-            return super().write(src, dst)
+            return self._write_staged(src, dst)
         check_pair(src, dst)
         if not len(dst):
             return []
@@ -66,7 +69,7 @@ class MooncakeTransferHandler(SlotTierHandler):
         """Mooncake -> CPU slots; per block, whether it is a verified hit (a miss leaves
         garbage in its slot: not to be used)."""
         if self._headers is None:
-            return super().read(src, dst)
+            return self._read_staged(src, dst)
         check_pair(src, dst)
         if not len(src):
             return []
@@ -74,3 +77,31 @@ class MooncakeTransferHandler(SlotTierHandler):
         assert views is not None
         headers = [self._headers[int(s)] for s in dst.block_ids]
         return self.store.get_views(src.keys, views, headers)
+
+    def _write_staged(self, src: Any, dst: Any) -> list[bool]:
+        if self.store.protocol != "tcp":
+            return super().write(src, dst)
+        check_pair(src, dst)
+        if not len(dst):
+            return []
+        staged = self.slots.gather(src.block_ids)
+        assert isinstance(staged, torch.Tensor)  # not zero-copy: a gathered copy
+        rows = staged.numpy()
+        heads = np.zeros((len(rows), HEADER_BYTES), dtype=np.uint8)
+        with self.store.registered(rows, heads):
+            return self.store.put_views(dst.keys, list(rows), list(heads))
+
+    def _read_staged(self, src: Any, dst: Any) -> list[bool]:
+        if self.store.protocol != "tcp":
+            return super().read(src, dst)
+        check_pair(src, dst)
+        if not len(src):
+            return []
+        buf, staged = self.slots.reader(dst.block_ids)
+        assert staged and isinstance(buf, torch.Tensor)
+        rows = buf.numpy()
+        heads = np.zeros((len(rows), HEADER_BYTES), dtype=np.uint8)
+        with self.store.registered(rows, heads):
+            hit = self.store.get_views(src.keys, list(rows), list(heads))
+        self.slots.scatter(dst.block_ids, buf, hit)
+        return hit

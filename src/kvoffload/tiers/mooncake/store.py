@@ -35,10 +35,11 @@ registered scratch area (a copy; serialised by a lock).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -133,6 +134,7 @@ class MooncakeBlockStore:
         if block_bytes <= 0:
             raise ValueError(f"block_bytes must be positive, got {block_bytes}")
         self.master = parse_master_url(url)
+        self.protocol = protocol
         self.shown_url = f"{SCHEME}://{self.master.addr}"
         self.namespace = namespace
         self.block_bytes = block_bytes
@@ -205,6 +207,25 @@ class MooncakeBlockStore:
         if rc != 0:
             raise RuntimeError(f"Mooncake refused to register {nbytes} bytes (code {rc})")
         self._registered.append(ptr)
+
+    @contextlib.contextmanager
+    def registered(self, *arrays: np.ndarray) -> Iterator[None]:
+        """``arrays`` registered for the duration (a staging area of one call).
+
+        Cheap over TCP (~5 us a region); over RDMA registration pins and maps
+        memory (milliseconds): there, register long-lived memory once instead.
+        """
+        done: list[int] = []
+        try:
+            for arr in arrays:
+                if arr.nbytes:
+                    self.register(arr.ctypes.data, arr.nbytes)
+                    done.append(arr.ctypes.data)
+            yield
+        finally:
+            for ptr in done:
+                self._registered.remove(ptr)
+                self._unregister(ptr)
 
     def object_key(self, key: bytes) -> str:
         return self.prefix + bytes(key).hex()
