@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.bench.policy import suite
+from kvoffload.bench.policy import suite, suite_hybrid
 from kvoffload.bench.policy import suite_cache as offload_suite_cache
 from kvoffload.bench.policy import vllm_replay as offload_vllm
 from kvoffload.bench.policy.replay import Trace
@@ -135,6 +135,8 @@ def small_suite(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(suite.SIZES, "quick", suite.SuiteSize(60, (1,)))
     monkeypatch.setattr(offload_vllm, "unavailable", lambda: None)
     monkeypatch.setattr(suite, "vllm_hit_rates", fake_vllm)
+    monkeypatch.setitem(suite_hybrid.SIZES, "quick", suite_hybrid.SIZES["tiny"])
+    monkeypatch.setattr(suite_hybrid, "vllm_hit_rates", lambda *_: {"vllm:lru": 0.1})
 
 
 def test_cli_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -143,9 +145,10 @@ def test_cli_json(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
     assert main([*args, "--trace-file", write_trace(monkeypatch)]) == 0
     report = json.loads(capsys.readouterr().out)
     fams = [p["family"] for p in report["points"]]
-    assert list(dict.fromkeys(fams)) == [*suite.FAMILIES, "real:t"]
+    assert list(dict.fromkeys(fams)) == [*suite.FAMILIES, "real:t", "hybrid"]
     held = report["leave_one_family_out"]
-    assert [h["family"] for h in held] == [*suite.FAMILIES, "real:t"]
+    assert [h["family"] for h in held] == [*suite.FAMILIES, "real:t", "hybrid"]
+    assert all(p["belady_hit_rate"] is None for p in report["points"] if p["family"] == "hybrid")
     assert set(report["worst_by_family"]["chat"]) == {"lru", DEFAULT_CACHE_POLICY}
 
 
@@ -154,7 +157,8 @@ def test_cli_tables(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixtu
     monkeypatch.setattr(suite, "default_trace_files", lambda: [])
     assert main(["bench", "offload", "--suite", "--policies", "lru,arc"]) == 0
     out = capsys.readouterr().out
-    for title in ("per family", "leave one family out", "chat/1 @ 5%", "loop/1 @ 50%"):
+    titles = ("per family", "leave one family out", "chat/1 @ 5%", "loop/1 @ 50%")
+    for title in (*titles, "hybrid/2g-w128/1 @ 20%"):
         assert title in out
 
 
@@ -224,7 +228,9 @@ def test_the_cli_reads_vllm_rows_from_the_cache_on_a_second_run(
     assert main(args) == 0
     second = json.loads(capsys.readouterr().out)
     assert first["vllm_rows_cached"] == 0
-    assert second["vllm_rows_cached"] == len(second["points"])
+    # (The hybrid family's vLLM rows are replayed each run: not cached.)
+    plain = [p for p in second["points"] if p["family"] != suite_hybrid.FAMILY]
+    assert second["vllm_rows_cached"] == len(plain) < len(second["points"])
     assert second["points"] == first["points"]
     assert main([*args, "--no-vllm-cache"]) == 0
     assert json.loads(capsys.readouterr().out)["vllm_rows_cached"] == 0

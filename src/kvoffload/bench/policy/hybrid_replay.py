@@ -71,6 +71,7 @@ from kvoffload.bench.policy.hybrid_workloads import (
 from kvoffload.offload import DEFAULT_CACHE_POLICY, CPUOffloadingManager, OffloadKey
 from kvoffload.offload.base import make_offload_key
 from kvoffload.offload.chunk_units import GroupLayout
+from kvoffload.offload.policies import CachePolicy
 
 ROWS = (
     "kvoffload:default+units",
@@ -114,7 +115,10 @@ class _Side:
 
 class _Ours(_Side):
     def __init__(
-        self, slots: int, layout: tuple[GroupLayout, ...] | None, policy: str = DEFAULT_CACHE_POLICY
+        self,
+        slots: int,
+        layout: tuple[GroupLayout, ...] | None,
+        policy: str | type[CachePolicy] = DEFAULT_CACHE_POLICY,
     ) -> None:
         self.m = CPUOffloadingManager(slots, policy, group_layout=layout)
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 from rich.console import Console
 from rich.table import Table
 
-from kvoffload.bench.policy import suite
+from kvoffload.bench.policy import suite, suite_hybrid
 from kvoffload.bench.policy import suite_cache as offload_suite_cache
 from kvoffload.bench.policy import vllm_replay as offload_vllm
 from kvoffload.offload import policy_names
@@ -33,7 +35,7 @@ def trace_table(points: Sequence[suite.Point], candidates: Sequence[str]) -> Tab
         t.add_row(
             f"{pt.trace} @ {pt.label}",
             f"{100 * pt.vllm_best:.2f} ({best_row})",
-            f"{100 * pt.belady:.2f}",
+            "-" if math.isnan(pt.belady) else f"{100 * pt.belady:.2f}",
             *(_d(pt.delta(c)) for c in candidates),
         )
     return t
@@ -110,6 +112,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "keyed by trace, size, row and vLLM version)",
     )
     parser.add_argument(
+        "--no-hybrid",
+        action="store_true",
+        help="--suite: leave out the hybrid family (KV cache groups with chunk units: "
+        "kvoffload bench hybrid's layouts at 5 / 10 / 20%%; kvoffload.bench.policy.suite_hybrid)",
+    )
+    parser.add_argument(
         "--vary",
         action="append",
         default=[],
@@ -142,10 +150,17 @@ def run(args: argparse.Namespace) -> int:
             offload_suite_cache.default_path(), suite.vllm_hit_rates
         )
     rows = cache.rows if cache is not None else suite.vllm_hit_rates
+    hybrid = not args.no_hybrid
     if args.json:
         points = suite.run_suite(traces, policies, variants, look, None, rows)
+        if hybrid:
+            points += suite_hybrid.run_hybrid(policies, variants, args.suite_size)
         warning = _save(cache)
         report = suite.report_json(points, candidates, look, args.suite_size)
+        for pt in cast(list[dict[str, object]], report["points"]):
+            belady = pt["belady_hit_rate"]
+            if isinstance(belady, float) and math.isnan(belady):
+                pt["belady_hit_rate"] = None  # the hybrid family has none (JSON has no NaN)
         report["trace_files"] = [str(f) for f in files]
         report["vllm_rows_cached"] = cache.hits if cache is not None else 0
         if warning:
@@ -158,12 +173,17 @@ def run(args: argparse.Namespace) -> int:
     if not console.is_terminal:
         console = Console(width=160)
     with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("suite", total=suite.steps(traces, len(candidates)))
+        total = suite.steps(traces, len(candidates))
+        if hybrid:
+            total += suite_hybrid.steps(args.suite_size, len(candidates))
+        task = bar.add_task("suite", total=total)
 
         def progress(what: str) -> None:
             bar.update(task, advance=1, description=what)
 
         points = suite.run_suite(traces, policies, variants, look, progress, rows)
+        if hybrid:
+            points += suite_hybrid.run_hybrid(policies, variants, args.suite_size, progress)
     warning = _save(cache)
     if warning:
         console.print(warning)
