@@ -15,6 +15,8 @@ The clock is never asserted on: a test waits for a state with a bound.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from tests.tiers.mooncake.required import need_mooncake
@@ -93,7 +95,7 @@ def test_master_restarted_loses_the_blocks_then_serves_again(
         store.close()
 
 
-def test_segment_holder_killed_is_misses_never_wrong_kv(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_segment_holder_killed_is_misses_never_wrong_kv(tmp_path: Path) -> None:
     # The master keeps a silent holder's segment for 30 s: long enough that it still
     # lists the dead holder's blocks when this test asks.
     cluster = LoopbackMooncake(tmp_path / "mc", client_ttl_s=30)
@@ -120,35 +122,54 @@ def test_segment_holder_killed_is_misses_never_wrong_kv(tmp_path) -> None:  # ty
         cluster.close()
 
 
-def test_a_full_pool_evicts_misses_never_wrong_bytes(fresh_mooncake: LoopbackMooncake) -> None:
-    block, n = 256 << 10, 160
-    fresh_mooncake.add_holder(16 << 20)  # the smallest segment: room for ~60 blocks
-    store = open_store(fresh_mooncake, block)
-    manager = MooncakeOffloadingManager(store, enable_events=True)
+def test_a_full_pool_evicts_misses_never_wrong_bytes(tmp_path: Path) -> None:
+    # The master evicts from half full, a fifth at a time (its defaults: 90%, 5%), so a
+    # 16 MiB pool (64 blocks) turns over while this test keeps storing.
+    cluster = LoopbackMooncake(
+        tmp_path / "mc",
+        master_flags=("--eviction_high_watermark_ratio=0.5", "--eviction_ratio=0.2"),
+    )
+    block = 256 << 10
     try:
-        ks, blocks = keys(n), data(n, 7, block)
-        for lo in range(0, n, 16):
-            manager.stored_mask(ks[lo : lo + 16])
+        cluster.add_holder(16 << 20)
+        store = open_store(cluster, block)
+        manager = MooncakeOffloadingManager(store, enable_events=True)
+        payloads = data(16, 7, block)  # key i holds payloads[i % 16]
+        every: list[bytes] = []
+
+        def store_a_batch() -> int:
+            ks = keys(16, len(every))
+            every.extend(ks)
+            manager.stored_mask(ks)  # new keys: absent, no lease taken
             assert manager.wait_answers(10)
-            out = manager.prepare_store(ks[lo : lo + 16])
-            ok = store.put(out.keys_to_store, blocks[lo : lo + len(out.keys_to_store)])
-            manager.complete_store(out.keys_to_store, success=all(ok))
-        stored = {k for e in manager.take_events() if not e.removed for k in e.keys}
-        got = store.get(ks)
-        hits = [i for i, g in enumerate(got) if g is not None]
-        assert 0 < len(hits) < n  # the pool evicted some, kept some
-        for i in hits:
-            assert (got[i] == blocks[i]).all()
-        # What the store evicted is withdrawn once this instance asks about it.
-        manager.presence.forget()  # type: ignore[union-attr]
-        manager.stored_mask(ks)
-        assert manager.wait_answers(10)
-        mask = manager.stored_mask(ks)
-        events = manager.take_events()
-        assert {e.medium for e in events} == {REMOTE_MEDIUM}
-        removed = {k for e in events if e.removed for k in e.keys}
-        gone = {k for k, there in zip(ks, mask) if not there}
-        assert gone and gone & stored <= removed
+            out = manager.prepare_store(ks)
+            ok = store.put(out.keys_to_store, payloads[: len(out.keys_to_store)])
+            manager.complete_store([k for k, g in zip(out.keys_to_store, ok) if g], True)
+            manager.complete_store([k for k, g in zip(out.keys_to_store, ok) if not g], False)
+            return store.stats.blocks_written
+
+        try:
+            # More accepted than the pool holds: the pool evicted (a refused put is counted).
+            assert wait_until(lambda: store_a_batch() > 2 * 64, timeout_s=60, step_s=0.05)
+            stored = {k for e in manager.take_events() if not e.removed for k in e.keys}
+            got = store.get(every)
+            hits = [i for i, g in enumerate(got) if g is not None]
+            assert 0 < len(hits) < len(stored)  # evicted some, kept some
+            for i in hits:
+                assert (got[i] == payloads[i % 16]).all(), "a hit with the wrong bytes"
+            # What the store evicted is withdrawn once this instance asks about it.
+            manager.presence.forget()  # type: ignore[union-attr]
+            manager.stored_mask(every)
+            assert manager.wait_answers(10)
+            mask = manager.stored_mask(every)
+            events = manager.take_events()
+            assert events and all(e.medium == REMOTE_MEDIUM and e.removed for e in events)
+            removed = {k for e in events for k in e.keys}
+            gone = {k for k, there in zip(every, mask) if not there}
+            assert gone & stored and gone & stored <= removed
+            assert not removed - gone  # nothing still held is withdrawn
+        finally:
+            manager.close()
+            store.close()
     finally:
-        manager.close()
-        store.close()
+        cluster.close()
