@@ -19,8 +19,10 @@ kernel returns no per-chunk states and the first long prompt fails with an
 IndexError in ``mamba_mixer2``).
 
 Engines (one job, each started once; the tests check facts of the results):
-``none`` (no connector), ``off`` (``KVOffloadConnector``, vLLM's stores), ``stock``
-(vLLM's ``OffloadingConnector`` + ``KVOffloadSpec``),
+``none`` (no connector), ``off`` (``KVOffloadConnector`` with ``sliding_window_keep:
+false``: vLLM's stores), ``default`` (``KVOffloadConnector``'s defaults: extra windows
+at learnt junctions and every 16 windows, 512 tokens here), ``stock``
+(vLLM's ``OffloadingConnector`` + ``KVOffloadSpec``: vLLM's stores),
 ``keep`` (``sliding_window_keep`` junctions + a window every 64 tokens),
 ``corrupt`` (the negative control with ``keep``'s settings: host pool
 overwritten before every load), ``disk`` (``keep`` with a 2 MiB CPU tier over
@@ -51,6 +53,8 @@ CPU_BYTES = "16MiB"
 SW_CHUNK_BYTES = LAYER_BLOCK_BYTES * sum(t == "sliding_attention" for t in LAYER_TYPES)
 #: Connector settings of every kvoffload engine (synchronous CPU-tier loads on: the default).
 COMMON = {"cpu_bytes": CPU_BYTES}
+#: KVOffloadConnector with the extra windows turned off: exactly vLLM's stores.
+OFF = {**COMMON, "sliding_window_keep": False}
 KEEP = {"sliding_window_keep": True, "sliding_window_keep_every": 64}
 ROUNDS = ("r1", "r2", "r3", "revisit")
 
@@ -106,7 +110,9 @@ def hybrid_run(
 
     engines = [
         dict(base, name="none"),
-        dict(base, name="off", connector="kvoffload", extra_config=COMMON, kv_events=events()),
+        dict(base, name="off", connector="kvoffload", extra_config=OFF, kv_events=events()),
+        dict(base, name="default", connector="kvoffload", extra_config=COMMON,
+             kv_events=events()),
         dict(base, name="keep", connector="kvoffload", extra_config={**COMMON, **KEEP},
              kv_events=events()),
         dict(base, name="stock", connector="stock", extra_config=COMMON),
@@ -167,7 +173,7 @@ def _external(engine: dict[str, Any]) -> dict[str, int]:
     return {name: counter(engine, "external_prefix_cache_hits", name) for name in ROUNDS}
 
 
-@pytest.mark.parametrize("name", ["off", "stock", "keep", "disk"])
+@pytest.mark.parametrize("name", ["off", "default", "stock", "keep", "disk"])
 def test_outputs_identical_to_no_connector(
     hybrid_run: dict[str, dict[str, Any]], name: str, record_property
 ) -> None:
@@ -182,7 +188,7 @@ def test_outputs_identical_to_no_connector(
 
 def test_the_device_tier_alone_serves_nothing(hybrid_run: dict[str, dict[str, Any]]) -> None:
     """The floods work: every cached token below comes from kvoffload's tiers."""
-    for name in ("none", "off", "keep"):
+    for name in ("none", "off", "default", "keep"):
         for phase in ROUNDS:
             assert counter(hybrid_run[name], "prefix_cache_hits", phase) == 0, (name, phase)
 
@@ -230,6 +236,24 @@ def test_keeping_windows_serves_the_shared_prefixes(
     assert _by_phase(hybrid_run["keep"])["r3"] == [s // 32 * 32 for s in shared]
     assert keep["revisit"] == off["revisit"]
     assert extra > 0
+
+
+def test_defaults_serve_more_than_vllms_stores(
+    hybrid_run: dict[str, dict[str, Any]], record_property
+) -> None:
+    """KVOffloadConnector's defaults: the revisits as vLLM's stores serve them, and the third
+    prompt on each prefix hits all of it (round 2's lookup showed the prompts part there)."""
+    off, default = _external(hybrid_run["off"]), _external(hybrid_run["default"])
+    total = {"off": sum(off.values()), "default": sum(default.values())}
+    record_property("cached_tokens_off", str(off))
+    record_property("cached_tokens_default", str(default))
+    print(f"tokens from kvoffload per round: off {off} ({total['off']}), defaults {default} "
+          f"({total['default']})")  # fmt: skip
+    shared = [len(p) for p in _shared_prefixes()]
+    assert _by_phase(hybrid_run["default"])["r3"] == [s // 32 * 32 for s in shared]
+    assert default["revisit"] == off["revisit"]
+    assert default["r2"] == off["r2"] == 0  # no window every 512 tokens inside S (<= 250)
+    assert total["default"] > total["off"]
 
 
 def _shared_prefixes() -> list[list[int]]:
