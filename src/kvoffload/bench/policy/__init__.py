@@ -3,7 +3,8 @@
 - ``offload``: ``kvoffload bench offload``: CPU-tier cache policies replayed on a
   Mooncake-format trace against vLLM's managers, LRU and Belady (``offload_report``
   prints it); ``--suite`` runs ``suite`` (every policy on held-out trace families;
-  ``suite_cache`` keeps vLLM's rows, ``suite_report`` prints the tables);
+  ``suite_hybrid`` its hybrid family, KV cache groups with chunk units; ``suite_cache``
+  keeps vLLM's rows, ``suite_report`` prints the tables);
 - ``vllm_replay``: vLLM's own CPU offloading manager driven as ``offload`` drives ours;
 - ``traces``: block-level traces (loading, seeded generators); ``mooncake``: replaying a
   Mooncake trace through the GPU block pool and the CPU tier (``kvoffload bench serve
