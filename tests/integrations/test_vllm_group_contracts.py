@@ -6,6 +6,8 @@
 - ``plan_group_slots``: windowed groups share the widest full group's slots, so a full
   group keeps all of the budget's chunks whatever the Mamba groups' layer counts.
 - ``group_layouts``: the chunk-unit policy is told each kind (Mamba: its state only).
+- ``group_kinds``: each layer spec's kind and window as ``describe_groups`` hands them on;
+  a group in host memory is refused in one line naming it.
 """
 
 from tests.vllm_required import need_vllm
@@ -17,11 +19,18 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
-from kvoffload.integrations.vllm.groups.group_kinds import group_layouts  # noqa: E402
+from kvoffload.integrations.vllm.groups.group_kinds import (  # noqa: E402
+    check_offloadable,
+    describe_groups,
+    group_kind,
+    group_layouts,
+    unsupported_group,
+)
 from kvoffload.integrations.vllm.groups.group_slots import (  # noqa: E402
     plan_group_slots,
     windowed_groups,
 )
+from kvoffload.integrations.vllm.settings import KVOffloadConfigError  # noqa: E402
 from kvoffload.offload.chunk_units import (  # noqa: E402
     CHUNKED_LOCAL,
     FULL_ATTENTION,
@@ -102,3 +111,56 @@ def test_behind_the_stock_connector_the_windows_become_sliding_windows() -> None
         (FULL_ATTENTION, None),
         (SLIDING_WINDOW, 3 * 16),
     ]
+
+
+# -- group_kinds: what vLLM's specs are called, and the one-line refusals ---------------
+
+
+def _kcc(groups: list[tuple[list[str], Any]], host: int | None = None) -> Any:
+    """What ``group_kinds`` reads of vLLM's ``KVCacheConfig``: its groups, in order."""
+    return SimpleNamespace(
+        kv_cache_groups=[
+            SimpleNamespace(
+                layer_names=names, kv_cache_spec=spec, is_eagle_group=False, host_resident=i == host
+            )
+            for i, (names, spec) in enumerate(groups)
+        ]
+    )
+
+
+def test_each_spec_is_named_and_described_with_its_window() -> None:
+    from tests.integrations.vllm_groups_rig import (
+        chunked_spec,
+        draft_spec,
+        full_spec,
+        mamba_spec,
+        mla_sliding_spec,
+        mla_spec,
+        sliding_spec,
+    )
+
+    specs = [full_spec(), sliding_spec(32), chunked_spec(64), mamba_spec(), mla_spec(),
+             mla_sliding_spec(48), draft_spec()]  # fmt: skip
+    kcc = _kcc([([f"l{i}"], s) for i, s in enumerate(specs)])
+    described = [(gid, kind, window) for gid, kind, window in describe_groups(kcc)]
+    assert described == [
+        (0, "full_attention", None),
+        (1, "sliding_window", 32),
+        (2, "chunked_local", 64),
+        (3, "mamba_align", None),
+        (4, "mla", None),
+        (5, "mla_sliding_window", 48),
+        (6, "drafter", None),
+    ]
+    assert group_kind(full_spec(), is_eagle_group=True) == "drafter"
+    assert unsupported_group(kcc) is None
+
+
+def test_a_group_in_host_memory_is_refused_in_one_line_naming_it() -> None:
+    from tests.integrations.vllm_groups_rig import full_spec, sliding_spec
+
+    kcc = _kcc([(["a"], full_spec()), (["b"], sliding_spec(32))], host=1)
+    with pytest.raises(KVOffloadConfigError) as info:
+        check_offloadable(kcc)
+    text = str(info.value)
+    assert "group 1" in text and "host memory" in text and "\n" not in text
