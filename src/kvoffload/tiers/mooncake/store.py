@@ -466,7 +466,13 @@ class MooncakeBlockStore:
         self._client.unregister_buffer(ptr)
 
     def close(self) -> None:
-        """Stop the probe, unregister this store's memory, close an owned client (once)."""
+        """Stop the probe, unregister this store's memory, close an owned client (once).
+
+        Every call that used the caller's memory has returned and the memory is
+        unregistered when this returns. The owned client's own close waits ~1-2 s
+        for its threads to wind down: it runs on a (non-daemon) thread of its own,
+        which the interpreter waits for at exit, so closing an engine does not.
+        """
         if self._closed:
             return
         self._closed = True
@@ -476,7 +482,13 @@ class MooncakeBlockStore:
             self._unregister(ptr)
         self._registered.clear()
         if self._owns_client:
-            self._client.close()  # ~1-2 s: the client's own threads wind down
+            closer = threading.Thread(
+                target=self._client.close, name="kvoffload-mooncake-close", daemon=False
+            )
+            try:
+                closer.start()
+            except RuntimeError:  # the interpreter is shutting down: no new threads
+                self._client.close()
 
     def __enter__(self) -> MooncakeBlockStore:
         return self
