@@ -186,20 +186,68 @@ def test_a_staged_job_runs_its_stages_in_order_on_one_pool_thread() -> None:
     handler.close()
 
 
-def test_waiting_for_a_stage_runs_it_here_when_the_pool_is_busy() -> None:
+def test_waiting_for_a_stage_nobody_started_runs_every_stage_here() -> None:
     handler = Staged()  # its one pool thread is held by job 1 until the gate opens
     handler.submit(1, _spec())
     handler.submit_staged(2, _spec(), [[0], [1], [2]])
-    handler.wait_stage(2, 1)  # stages 0 and 1 are not started: 1 runs here, 0 stays queued
-    here = threading.current_thread().name
-    assert [(k, n) for k, n in handler.stages_ran] == [(1, here)]
     handler.wait_stage(2, 9)  # no such stage: returns at once
+    assert handler.stages_ran == []
+    handler.wait_stage(2, 1)  # no stage started: all of them run here, in order
+    here = threading.current_thread().name
+    assert handler.stages_ran == [(0, here), (1, here), (2, here)]
     handler.gate.set()
     assert handler.wait([1, 2], timeout=30)
-    assert sorted(k for k, n in handler.stages_ran if n != here) == [0, 2]
     results = {r.job_id: r for r in handler.get_finished()}
     assert results[2].success and results[2].num_bytes == 3
     handler.wait_stage(2, 0)  # a finished job: returns at once
+    handler.close()
+
+
+class Merging(Staged):
+    """Staged whose merged copy records itself and moves the job's 3 bytes at once."""
+
+    def merge_stages(self, job_id: int, spec: TransferSpec) -> Work:
+        def whole() -> int:
+            self.stages_ran.append((-1, threading.current_thread().name))
+            return 3
+
+        return whole
+
+
+def test_a_merged_staged_job_runs_once_and_reports_its_bytes_once() -> None:
+    handler = Merging()
+    handler.submit(1, _spec())  # holds the pool thread: no stage can start elsewhere
+    handler.submit_staged(2, _spec(), [[0], [1], [2]])
+    handler.wait_stage(2, 0)
+    assert handler.stages_ran == [(-1, threading.current_thread().name)]
+    handler.gate.set()
+    assert handler.wait([1, 2], timeout=30)
+    results = {r.job_id: r for r in handler.get_finished()}
+    assert results[2].success and results[2].num_bytes == 3
+    assert len(handler.stages_ran) == 1  # the queued stages found nothing left to run
+    handler.close()
+
+
+def test_a_merged_staged_load_copies_the_right_bytes() -> None:
+    layout = KVLayout(KVGeometry(2, 2, 8, 4, torch.float16), "layer_first")
+    gpu = layout.allocate(16)
+    pool = HostPool(layout, 16)
+    random_fill(pool.tensors, 5)
+    handler = CpuGpuTransferHandler(GpuCpuJobPlanner(gpu, layout, pool), num_threads=1)
+    gate = threading.Event()
+    handler._pool.submit(gate.wait, 30)  # the pool thread starts no stage: the waiter merges
+    row = layout.plane_row_bytes
+    stages = [[(0, 0, row), (1, 0, row)], [(2, 0, row // 2)]]  # the rest: a last part
+    slots, targets = [3, 9, 4, 12], [7, 1, 2, 15]
+    handler.submit_staged(5, load(slots, targets), stages)
+    handler.wait_stage(5, 0)
+    gate.set()
+    assert handler.wait([5], timeout=30)
+    (result,) = handler.get_finished()
+    assert result.success and result.num_bytes == len(slots) * layout.bytes_per_block
+    for gp, hp in zip(layout.block_planes(gpu), layout.block_planes(pool.tensors)):
+        for s, t in zip(slots, targets):
+            assert torch.equal(gp[t], hp[s])
     handler.close()
 
 
@@ -234,4 +282,35 @@ def test_a_waiter_whose_stage_is_being_copied_copies_the_last_stages_meanwhile()
     assert handler.wait([2], timeout=30)
     assert handler.get_finished()[0].num_bytes == 4
     opener.join()
+    handler.close()
+
+
+@pytest.mark.parametrize("kind", ["layer_first", "kv_split", "cross_layer"])
+def test_stages_copied_one_by_one_copy_the_right_bytes(kind: str) -> None:
+    """Whole planes of a stage are one fused copy, part rows a span copy each, the rest a
+    last part: together exactly the job's bytes."""
+    layout = KVLayout(KVGeometry(2, 2, 8, 4, torch.float16), kind)
+    gpu = layout.allocate(16)
+    pool = HostPool(layout, 16)
+    random_fill(pool.tensors, 6)
+    random_fill(gpu, 7)
+    before = [p.clone() for p in layout.block_planes(gpu)]
+    handler = CpuGpuTransferHandler(GpuCpuJobPlanner(gpu, layout, pool), num_threads=2)
+    row = layout.plane_row_bytes
+    last = layout.num_planes - 1
+    stages = [[(0, 0, row)], [(last, row // 2, row)]]
+    if layout.num_planes == 1:
+        stages = [[(0, 0, row // 4)], [(0, row // 2, row)]]
+    elif layout.num_planes > 2:
+        stages.insert(1, [(1, 0, row), (2, 0, row)])
+    slots, targets = [3, 9, 4, 12, 13], [7, 1, 2, 15, 8]
+    handler.submit_staged(5, load(slots, targets), stages)
+    assert handler.wait([5], timeout=30)  # no wait_stage: each stage on its own
+    (result,) = handler.get_finished()
+    assert result.success and result.num_bytes == len(slots) * layout.bytes_per_block
+    for gp, hp, old in zip(layout.block_planes(gpu), layout.block_planes(pool.tensors), before):
+        for s, t in zip(slots, targets):
+            assert torch.equal(gp[t], hp[s])
+        untouched = [b for b in range(16) if b not in targets]
+        assert torch.equal(gp[untouched], old[untouched])
     handler.close()

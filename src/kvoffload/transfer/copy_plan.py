@@ -210,6 +210,28 @@ class GroupPairs:
         out._views = None
         return out
 
+    def whole_planes(self, spans: Sequence[Span]) -> GroupPairs | None:
+        """The pairs restricted to planes ``p0..p1``, as one fused group, when ``spans`` are
+        the whole rows of those consecutive planes and the pairs are fused; else None.
+
+        A staged load's stage is typically one layer's K and V planes: one copy per
+        block moves both, in wide elements, where ``spans`` makes a copy per plane.
+        """
+        if len(self.narrow) != 1 or not spans:
+            return None
+        planes = sorted(p for p, _, _ in spans)
+        if any(a != 0 or b != self.row_bytes for _, a, b in spans) or planes != list(
+            range(planes[0], planes[0] + len(planes))
+        ):
+            return None
+        p0, p1 = planes[0], planes[-1] + 1
+        out = copy.copy(self)
+        out.narrow = [(s[p0:p1], d[p0:p1]) for s, d in self.narrow]
+        out.wide = [(s[p0:p1], d[p0:p1]) for s, d in self.wide]
+        out.bytes_per_block = (p1 - p0) * self.row_bytes
+        out._views = None
+        return out
+
     @property
     def cross_device(self) -> str | None:
         """None on one device; "store" when the destination is host memory, else "load"."""

@@ -188,6 +188,11 @@ class CpuGpuTransferHandler(ThreadPoolTransferHandler):
             parts.append(self._part(groups, job.pairs, nbytes, "runs"))
         return parts
 
+    def merge_stages(self, job_id: int, spec: TransferSpec) -> Work:
+        """The staged load as one copy over the fused groups (every plane at once)."""
+        job = self.planner.plan(spec)
+        return self._part(job.groups, job.pairs, job.num_bytes)
+
     def _stage_groups(self, stages: Sequence[Sequence[Span]]) -> list[GroupPairs]:
         key = tuple(tuple(stage) for stage in stages)
         groups = self._staged_groups.get(key)
@@ -196,8 +201,12 @@ class CpuGpuTransferHandler(ThreadPoolTransferHandler):
             # tensors, which the pool threads (outside it) may not write through.
             with torch.inference_mode(False):
                 planes = self.planner.load_planes
+                fused = self.planner.load_groups
                 rest = _uncovered(stages, len(planes.narrow), self.planner.layout.plane_row_bytes)
-                groups = [planes.spans(stage) for stage in ([*key, rest] if rest else key)]
+                groups = [
+                    fused.whole_planes(stage) or planes.spans(stage)
+                    for stage in ([*key, rest] if rest else key)
+                ]
             self._staged_groups[key] = groups
         return groups
 
