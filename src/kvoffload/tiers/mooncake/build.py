@@ -9,20 +9,14 @@ store's breaker instead (``probe``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from kvoffload.tiers.building import BuiltTier, TierContext
 from kvoffload.tiers.mooncake.handler import MooncakeTransferHandler
 from kvoffload.tiers.mooncake.manager import MooncakeOffloadingManager
 from kvoffload.tiers.mooncake.store import MooncakeBlockStore
 
-if TYPE_CHECKING:
-    from kvoffload.tiers.stack import BuiltTier, TierContext
-
 
 def build_mooncake(ctx: TierContext) -> BuiltTier | None:
-    """The Mooncake Store tier (``config.mooncake_url``), or None when not configured."""
-    from kvoffload.tiers.stack import BuiltTier
-
+    """The Mooncake Store tier (``config.mooncake_url``); None when unset."""
     config = ctx.config
     if not config.mooncake_url:
         return None
@@ -37,13 +31,8 @@ def build_mooncake(ctx: TierContext) -> BuiltTier | None:
         segment_bytes=config.mooncake_segment_bytes,
         local_buffer_bytes=config.mooncake_local_buffer_bytes,
     )
-    manager: MooncakeOffloadingManager | None = None
-    try:
-        manager = MooncakeOffloadingManager(store, config.enable_events)
-        handler = MooncakeTransferHandler(store, ctx.host_pool, config.num_threads)
-    except BaseException:
-        if manager is not None:
-            manager.close()
-        store.close()
-        raise
-    return BuiltTier(manager, handler, store)
+    return BuiltTier.over(
+        store,
+        lambda: MooncakeOffloadingManager(store, config.enable_events),
+        lambda: MooncakeTransferHandler(store, ctx.host_pool, config.num_threads),
+    )
