@@ -188,11 +188,6 @@ class CpuGpuTransferHandler(ThreadPoolTransferHandler):
             parts.append(self._part(groups, job.pairs, nbytes, "runs"))
         return parts
 
-    def merge_stages(self, job_id: int, spec: TransferSpec) -> Work:
-        """The staged load as one copy over the fused groups (every plane at once)."""
-        job = self.planner.plan(spec)
-        return self._part(job.groups, job.pairs, job.num_bytes)
-
     def _stage_groups(self, stages: Sequence[Sequence[Span]]) -> list[GroupPairs]:
         key = tuple(tuple(stage) for stage in stages)
         groups = self._staged_groups.get(key)

@@ -152,11 +152,6 @@ class ThreadPoolTransferHandler(TransferHandler):
     #: Whether ``submit_staged`` works (``prepare_staged`` is implemented).
     supports_stages: bool = False
 
-    def merge_stages(self, job_id: int, spec: TransferSpec) -> Work | None:
-        """A staged job's whole copy as one piece of work, for a waiter that finds no stage
-        started (see ``wait_stage``); None runs the stages one by one instead."""
-        return None
-
     def submit(self, job_id: int, spec: TransferSpec, expedited: bool = False) -> None:
         hold = expedited and self.run_on_wait
         prepare = self.prepare_expedited if hold else self.prepare
@@ -237,13 +232,6 @@ class ThreadPoolTransferHandler(TransferHandler):
         thread goes front to back, the waiter back to front, and a load whose
         forward pass catches up with its copy is copied by two threads. A
         waiter returns at most one stage's copy after its stage is done.
-        A waiter that finds no stage of the job started takes them all and
-        copies the whole job at once with its own torch threads
-        (``merge_stages``): a hit's forward pass over a short suffix catches up
-        with its copy at the first layer, and on a small machine the pool
-        thread has not started yet (it shares the cores with that forward
-        pass); one merged copy on the waiter's team moved 12 MB at 11-24 GB/s
-        where four stages on two single threads moved it at 5-12 (2 cores).
         A job that is not staged, unknown or finished returns at once.
         """
         with self._cond:
@@ -251,13 +239,6 @@ class ThreadPoolTransferHandler(TransferHandler):
             if parts is None or not 0 <= stage < len(parts):
                 return
             part = parts[stage]
-            left = self._unclaimed.get(job_id)
-            merge = left is not None and len(left) == len(parts) > 1
-            if merge:
-                del self._unclaimed[job_id]
-        if merge:
-            self._run_merged(parts)
-            return
         if self._claim(part):
             self._run(part)
         while True:
@@ -271,19 +252,6 @@ class ThreadPoolTransferHandler(TransferHandler):
                     return
             if self._claim(spare):
                 self._run(spare)
-
-    def _run_merged(self, parts: list[_Part]) -> None:
-        """Every stage of a job (all claimed by this thread) here, as one copy where the
-        handler can merge them; no other thread runs any, so this thread's team is free."""
-        try:
-            whole = self.merge_stages(parts[0].job_id, parts[0].spec)
-        except Exception:
-            whole = None  # the stages one by one still copy every byte
-        for i, part in enumerate(parts):
-            part.shared = False
-            if whole is not None:
-                part.work = whole if i == 0 else _nothing
-            self._run(part)
 
     def _release_held(self) -> None:
         """Hand expedited parts no wait has run to the pool (cheap when there are none)."""
@@ -404,10 +372,6 @@ class _Part:
 
 
 _THIS_THREAD = threading.local()
-
-
-def _nothing() -> int:
-    return 0
 
 
 @contextlib.contextmanager
