@@ -192,22 +192,17 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    from rich.console import Console
-    from rich.table import Table
+    from kvoffload.bench.console import console, table
 
-    table = Table(title=f"free queue churn, {args.blocks:,} blocks, seed {args.seed}")
-    table.add_column("queue")
-    table.add_column("link ops", justify="right")
-    table.add_column("Mops/s", justify="right")
-    table.add_row(
-        "intrusive (FreeKVCacheBlockQueue)",
-        f"{report['intrusive_link_ops']:,}",
-        f"{report['intrusive_mops']:.2f}",
-    )
-    table.add_row(
-        "list baseline (list.remove)", f"{report['list_link_ops']:,}", f"{report['list_mops']:.2f}"
-    )
-    console = Console()
-    console.print(table)
-    console.print(f"speedup: {report['speedup']:.1f}x over the list baseline")
+    rows = [
+        (name, f"{report[f'{k}_link_ops']:,}", f"{report[f'{k}_mops']:.2f}")
+        for k, name in (
+            ("intrusive", "intrusive (FreeKVCacheBlockQueue)"),
+            ("list", "list baseline (list.remove)"),
+        )
+    ]
+    title = f"free queue churn, {args.blocks:,} blocks, seed {args.seed}"
+    out = console()
+    out.print(table(title, ("queue", "link ops", "Mops/s"), rows, left=1))
+    out.print(f"speedup: {report['speedup']:.1f}x over the list baseline")
     return 0

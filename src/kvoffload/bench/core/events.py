@@ -179,19 +179,14 @@ def run(args: argparse.Namespace) -> int:
     for p in profiles:
         if p not in PROFILES:
             raise ValueError(f"unknown profile {p!r}; choose from {', '.join(PROFILES)}")
-    results: dict[str, dict[str, Any]] = {}
-    if args.json:
-        for p in profiles:
-            results[p] = bench_profile(p, args.batches, args.events, args.deadline)
-    else:
-        from rich.progress import Progress
+    from kvoffload.bench.console import progress_bar
 
-        with Progress(transient=True) as progress:
-            task = progress.add_task("events", total=len(profiles))
-            for p in profiles:
-                progress.update(task, description=f"profile {p}")
-                results[p] = bench_profile(p, args.batches, args.events, args.deadline)
-                progress.advance(task)
+    results: dict[str, dict[str, Any]] = {}
+    with progress_bar("events", len(profiles), show=not args.json) as advance:
+        for p in profiles:
+            advance(0, f"profile {p}")
+            results[p] = bench_profile(p, args.batches, args.events, args.deadline)
+            advance()
     ratios: dict[str, float] = {}
     if PROFILE_VLLM in results and PROFILE_LEGACY in results:
         v, legacy = results[PROFILE_VLLM], results[PROFILE_LEGACY]
@@ -206,16 +201,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    from rich.console import Console
-    from rich.table import Table
+    from kvoffload.bench.console import console, table
 
-    table = Table(title=f"KV events: {args.batches:,} batches x {args.events} events, loopback")
-    for col in ("profile", "publish ev/s", "send b/s", "live", "by s", "replayed", "lost"):
-        table.add_column(col, justify="right")
-    table.add_column("decode b/s", justify="right")
-    table.add_column("bytes/batch", justify="right")
-    for r in results.values():
-        table.add_row(
+    cols = ("profile", "publish ev/s", "send b/s", "live", "by s", "replayed", "lost")
+    rows = [
+        (
             r["profile"],
             f"{r['publish_events_per_s'] or 0:,.0f}",
             f"{r['send_batches_per_s'] or 0:,.0f}",
@@ -226,9 +216,12 @@ def run(args: argparse.Namespace) -> int:
             f"{r['decode_batches_per_s'] or 0:,.0f}",
             f"{r['mean_payload_bytes'] or 0:,.0f}",
         )
-    console = Console()
-    console.print(table)
+        for r in results.values()
+    ]
+    out = console()
+    title = f"KV events: {args.batches:,} batches x {args.events} events, loopback"
+    out.print(table(title, (*cols, "decode b/s", "bytes/batch"), rows))
     for name, value in ratios.items():
-        console.print(f"{name}: {value:.2f}x")
-    console.print("(wall-clock figures: noisy on a shared machine)")
+        out.print(f"{name}: {value:.2f}x")
+    out.print("(wall-clock figures: noisy on a shared machine)")
     return 0

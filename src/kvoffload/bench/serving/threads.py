@@ -129,20 +129,16 @@ def median(values: list[float]) -> float:
     return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
-def measure(
-    args: argparse.Namespace, progress: Callable[[], None] | None = None
-) -> dict[str, object]:
+def measure(args: argparse.Namespace, progress: Callable[[], None] = lambda: None) -> dict:
     env = parse_env(args.env)
     quiet: list[RunTiming] = []
     loaded: list[RunTiming] = []
     for _ in range(args.repeat):
         quiet.append(run_once(args.requests, env, args.run_arg))
-        if progress is not None:
-            progress()
+        progress()
         with BusyProcesses(args.busy):
             loaded.append(run_once(args.requests, env, args.run_arg))
-        if progress is not None:
-            progress()
+        progress()
     q = median([t.wall_s for t in quiet])
     b = median([t.wall_s for t in loaded])
     return {
@@ -164,34 +160,27 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(measure(args)))
         return 0
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-    from rich.table import Table
+    from kvoffload.bench.console import console, progress_bar, table
 
-    with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    ) as prog:
-        task = prog.add_task("quiet / busy runs", total=2 * args.repeat)
-        report = measure(args, lambda: prog.advance(task))
-    table = Table(
-        title=f"kvoffload run --requests {args.requests}: quiet vs {args.busy} busy process(es)"
+    with progress_bar("quiet / busy runs", 2 * args.repeat) as advance:
+        report = measure(args, advance)
+    rows = [
+        (
+            name,
+            f"{r['wall_s']:.2f}",
+            f"{r['ttft_p50_s']:.4f}",
+            f"{r['ttft_p99_s']:.4f}",
+            f"{r['throughput_tok_s']:,.0f}",
+        )
+        for name in ("quiet", "busy")
+        for r in cast(list[dict[str, float]], report[f"{name}_runs"])
+    ]
+    title = (
+        f"kvoffload run --requests {args.requests}: quiet vs {args.busy} busy process(es)"
         f", {report['cpus']} CPUs"
     )
-    for col in ("machine", "wall (s)", "TTFT p50 (s)", "TTFT p99 (s)", "tok/s"):
-        table.add_column(col, justify="right")
-    for name in ("quiet", "busy"):
-        for r in cast(list[dict[str, float]], report[f"{name}_runs"]):
-            table.add_row(
-                name,
-                f"{r['wall_s']:.2f}",
-                f"{r['ttft_p50_s']:.4f}",
-                f"{r['ttft_p99_s']:.4f}",
-                f"{r['throughput_tok_s']:,.0f}",
-            )
-    Console().print(table)
+    cols = ("machine", "wall (s)", "TTFT p50 (s)", "TTFT p99 (s)", "tok/s")
+    console().print(table(title, cols, rows))
     print(
         f"busy/quiet wall time: {report['ratio']:.2f}x "
         f"({report['busy_wall_s']:.2f} s vs {report['quiet_wall_s']:.2f} s, medians)"

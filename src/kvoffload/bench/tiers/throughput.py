@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvoffload.bench.console import console, progress_bar, table
 from kvoffload.bench.tiers.common import format_bytes, parse_bytes
 from kvoffload.bench.tiers.disk_io import bench_disk
 from kvoffload.bench.tiers.mooncake_io import (
@@ -173,85 +174,59 @@ def _bench_mooncake(
 
 
 def _disk_table(report: dict[str, Any]) -> Any:
-    from rich.table import Table
-
     mode = "O_DIRECT" if report["disk"][0]["direct_io"] else "buffered"
-    t = Table(
-        title=f"disk tier vs sequential raw I/O of the same bytes (GB/s, {mode}, "
-        f"batches of {report['batch']})",
-        caption=f"in {report['disk_dir']}; handler: 8 layers x 8 KV heads x 128, fp16 slots",
-    )
     cols = ("block", "blocks", "put", "raw write", "put%", "get", "raw read", "get%")
-    for col in (*cols, "slots->disk (zero-copy/staged)", "disk->slots (zero-copy/staged)"):
-        t.add_column(col, justify="right")
+    rows = []
     for r in report["disk"]:
         down = up = "-"
         if "cross_layer_down_gbps" in r:
             down = f"{r['cross_layer_down_gbps']:.2f}/{r['layer_first_down_gbps']:.2f}"
             up = f"{r['cross_layer_up_gbps']:.2f}/{r['layer_first_up_gbps']:.2f}"
-        t.add_row(
-            format_bytes(r["block_bytes"]),
-            f"{r['blocks']:,}",
-            f"{r['put_gbps']:.2f}",
-            f"{r['raw_write_gbps']:.2f}",
-            f"{r['put_ratio']:.0%}",
-            f"{r['get_gbps']:.2f}",
-            f"{r['raw_read_gbps']:.2f}",
-            f"{r['get_ratio']:.0%}",
-            down,
-            up,
-        )
-    return t
+        rows.append((*_io_cells(r, "raw_write_gbps", "raw_read_gbps"), down, up))
+    return table(
+        f"disk tier vs sequential raw I/O of the same bytes (GB/s, {mode}, "
+        f"batches of {report['batch']})",
+        (*cols, "slots->disk (zero-copy/staged)", "disk->slots (zero-copy/staged)"),
+        rows,
+        caption=f"in {report['disk_dir']}; handler: 8 layers x 8 KV heads x 128, fp16 slots",
+    )
+
+
+def _io_cells(r: dict[str, Any], raw_put: str, raw_get: str) -> list[str]:
+    """Block size, blocks, then put and get each beside its raw baseline and their ratio."""
+    cells = [format_bytes(r["block_bytes"]), f"{r['blocks']:,}"]
+    for op, raw in (("put", raw_put), ("get", raw_get)):
+        cells += [f"{r[f'{op}_gbps']:.2f}", f"{r[raw]:.2f}", f"{r[f'{op}_ratio']:.0%}"]
+    return cells
 
 
 def _redis_table(report: dict[str, Any]) -> Any:
-    from rich.table import Table
-
-    t = Table(
-        title=f"Redis tier vs plain pipelined SET/MGET of the same bytes (GB/s, batches of "
+    return table(
+        f"Redis tier vs plain pipelined SET/MGET of the same bytes (GB/s, batches of "
         f"{report['batch']})",
+        ("block", "blocks", "put", "raw SET", "put%", "get", "raw MGET", "get%"),
+        [_io_cells(r, "raw_set_gbps", "raw_mget_gbps") for r in report["redis"]],
         caption=f"server {report['redis_url']}",
     )
-    for col in ("block", "blocks", "put", "raw SET", "put%", "get", "raw MGET", "get%"):
-        t.add_column(col, justify="right")
-    for r in report["redis"]:
-        t.add_row(
-            format_bytes(r["block_bytes"]),
-            f"{r['blocks']:,}",
-            f"{r['put_gbps']:.2f}",
-            f"{r['raw_set_gbps']:.2f}",
-            f"{r['put_ratio']:.0%}",
-            f"{r['get_gbps']:.2f}",
-            f"{r['raw_mget_gbps']:.2f}",
-            f"{r['get_ratio']:.0%}",
-        )
-    return t
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
     n_sizes = len(_sizes(args))
     steps = n_sizes * ((not args.skip_disk) + (not args.skip_redis) + (not args.skip_mooncake))
-    err = Console(stderr=True)
-    with Progress(
-        TextColumn("tiers"), BarColumn(), MofNCompleteColumn(), console=err, transient=True
-    ) as bar:
-        task = bar.add_task("points", total=steps)
-        report = bench(args, progress=lambda: bar.advance(task))
+    with progress_bar("tiers", steps) as advance:
+        report = bench(args, progress=advance)
     if args.json:
         print(json.dumps(report))
         return 0
-    console = Console(width=max(Console().width, 120))
+    out = console(120)
     if report["disk"]:
-        console.print(_disk_table(report))
+        out.print(_disk_table(report))
     if report["redis"]:
-        console.print(_redis_table(report))
+        out.print(_redis_table(report))
     elif "redis_skipped" in report:
-        console.print(f"redis: skipped ({report['redis_skipped']})")
+        out.print(f"redis: skipped ({report['redis_skipped']})")
     if report["mooncake"]:
-        console.print(mooncake_table(report))
+        out.print(mooncake_table(report))
     elif "mooncake_skipped" in report:
-        console.print(f"mooncake: skipped ({report['mooncake_skipped']})")
+        out.print(f"mooncake: skipped ({report['mooncake_skipped']})")
     return 0
