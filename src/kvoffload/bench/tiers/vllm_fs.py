@@ -36,14 +36,13 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvoffload.bench.console import progress_bar
 from kvoffload.bench.tiers.vllm_side import MODULE, Engine
 
 DEFAULT_SIZES = "256KiB,1MiB"
@@ -156,7 +155,7 @@ def measure_size(
                 w_clock = eng.clock
             finally:
                 eng.close()
-            progress(f"{which} {block_bytes >> 10} KiB write")
+            progress(1, f"{which} {block_bytes >> 10} KiB write")
             eng = Engine(entry, block_bytes, cpu_chunks)
             try:
                 r = eng.read(keys, args.batch, args.requests_in_flight)
@@ -164,7 +163,7 @@ def measure_size(
                 r_clock = eng.clock
             finally:
                 eng.close()
-            progress(f"{which} {block_bytes >> 10} KiB read")
+            progress(1, f"{which} {block_bytes >> 10} KiB read")
             steps = w_clock.steps + r_clock.steps
             fig = TierFigures(
                 write_mb_s=n * block_bytes / w / 1e6,
@@ -204,7 +203,7 @@ def measure_budget(base: Path, budget: int, args: argparse.Namespace, progress: 
             eng.close()
         used[which] = disk_bytes_in_use(root)
         shutil.rmtree(root, ignore_errors=True)
-        progress(f"{which} budget")
+        progress(1, f"{which} budget")
     return {"budget_bytes": budget, "written_bytes": n * block_bytes, "bytes_in_use": used}
 
 
@@ -231,9 +230,9 @@ def run(args: argparse.Namespace) -> int:
     base = Path(tempfile.mkdtemp(prefix="kvoffload-bench-tiers-vllm-", dir=base_parent))
     phases = 4 * len(sizes) * args.repeat + 2
     try:
-        with _progress(not args.json, phases) as progress:
-            per_size = [measure_size(base, b, total, args, progress) for b in sizes]
-            use = measure_budget(base, budget, args, progress)
+        with progress_bar("tiers under vLLM", phases, show=not args.json) as advance:
+            per_size = [measure_size(base, b, total, args, advance) for b in sizes]
+            use = measure_budget(base, budget, args, advance)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     result: dict[str, Any] = {
@@ -266,22 +265,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print(result)
     return 0
-
-
-@contextmanager
-def _progress(show: bool, total: int) -> Iterator[Callable[[str], None]]:
-    if not show:
-        yield lambda _what: None
-        return
-    from rich.progress import Progress
-
-    with Progress(transient=True) as bar:
-        task = bar.add_task("tiers under vLLM", total=total)
-
-        def advance(what: str) -> None:
-            bar.update(task, advance=1, description=what)
-
-        yield advance
 
 
 def _print(result: dict[str, Any]) -> None:

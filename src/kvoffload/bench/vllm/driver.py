@@ -14,8 +14,7 @@ import os
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,24 +148,3 @@ def ensure_model(
         if proc.returncode != 0:
             raise EngineRunError(f"making the tiny model failed:\n{proc.stderr[-3000:]}")
     return path
-
-
-@contextmanager
-def work_bar(label: str, total: int) -> Iterator[Callable[[int], None]]:
-    """A transient progress bar on stderr for ``total`` work units; yields ``advance(n)``.
-
-    stderr, so that ``--json`` output on stdout stays one JSON object.
-    """
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(
-        TextColumn(label),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    ) as bar:
-        task = bar.add_task("work", total=total)
-        yield lambda n: bar.advance(task, n)

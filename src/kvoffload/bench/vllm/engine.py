@@ -35,7 +35,6 @@ from kvoffload.bench.vllm.driver import (
     ensure_model,
     find_engine_python,
     run_engines,
-    work_bar,
     work_units,
 )
 from kvoffload.bench.vllm.model import FIRST_WORD_ID, VOCAB_SIZE
@@ -258,44 +257,23 @@ def bench(args: argparse.Namespace, on_progress: Callable[[int], None] | None = 
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
+    from kvoffload.bench.console import console, progress_bar, table
 
     if getattr(args, "hits", False) or getattr(args, "profile_hit", False):
         return vllm_hits.run(args)
     python = find_engine_python(args.engine_python)
     names = ("round_robin", "batch") if args.workload == "both" else (args.workload,)
     total = 2 * (1 + sum(len(p["prompts"]) for p in workload_phases(names)))
-    with work_bar("vLLM engine (2 starts, then requests)", total) as advance:
+    with progress_bar("vLLM engine (2 starts, then requests)", total) as advance:
         report = bench(args, on_progress=advance)
     report.pop("_work", None)
     if args.json:
         print(json.dumps(report))
         return 0 if report["identical_outputs"] == report["requests"] else 1
-    console = Console(width=max(Console().width, 120))
-    t = Table(
-        title=f"real vLLM {report['vllm_version']} engine on the CPU, offload off vs on "
-        f"({', '.join(report['workloads'])}; {report['gpu_blocks']} device blocks of "
-        f"{report['block_size']} tokens)",
-        caption=f"model {report['model']}; on = {report['connector']} connector, CPU tier "
-        f"{report['cpu_bytes']:,} bytes; engine {python}",
-    )
-    for col in (
-        "offload",
-        "requests",
-        "prompt tok",
-        "device cached",
-        "kvoffload cached",
-        "TTFT p50 ms",
-        "TTFT p99 ms",
-        "prompt tok/s",
-        "output tok/s",
-        "engine start s",
-    ):
-        t.add_column(col, justify="right")
-    for name in ("off", "on"):
-        s = report[name]
-        t.add_row(
+    cols = ("offload", "requests", "prompt tok", "device cached", "kvoffload cached")
+    cols += ("TTFT p50 ms", "TTFT p99 ms", "prompt tok/s", "output tok/s", "engine start s")
+    rows = [
+        (
             name,
             str(s["requests"]),
             f"{s['prompt_tokens']:,}",
@@ -307,9 +285,22 @@ def run(args: argparse.Namespace) -> int:
             f"{s['output_tokens_per_s']:,.0f}",
             f"{s['engine_start_s']:.0f}",
         )
-    console.print(t)
+        for name, s in ((n, report[n]) for n in ("off", "on"))
+    ]
+    out = console(120)
+    out.print(
+        table(
+            f"real vLLM {report['vllm_version']} engine on the CPU, offload off vs on "
+            f"({', '.join(report['workloads'])}; {report['gpu_blocks']} device blocks of "
+            f"{report['block_size']} tokens)",
+            cols,
+            rows,
+            caption=f"model {report['model']}; on = {report['connector']} connector, CPU tier "
+            f"{report['cpu_bytes']:,} bytes; engine {python}",
+        )
+    )
     ok = report["identical_outputs"] == report["requests"]
-    console.print(
+    out.print(
         f"identical output tokens: {report['identical_outputs']}/{report['requests']} "
         f"({'ok' if ok else 'MISMATCH'}); TTFT p50 on/off {report['ttft_p50_ratio']:.2f}x, "
         f"prompt throughput on/off {report['throughput_ratio']:.2f}x"
