@@ -312,14 +312,15 @@ def total_work(visits: int) -> int:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from kvoffload.bench.vllm.driver import default_model_dir, find_engine_python, work_bar
+    from kvoffload.bench.console import progress_bar
+    from kvoffload.bench.vllm.driver import default_model_dir, find_engine_python
 
     python = find_engine_python(args.engine_python)
     if python is None:
         raise FileNotFoundError("no vLLM engine environment (see `kvoffload bench vllm --help`)")
     models = [MODELS[m] for m in args.hit_models]
     reports = []
-    with work_bar("vLLM hit bench", len(models) * total_work(args.hit_visits)) as advance:
+    with progress_bar("vLLM hit bench", len(models) * total_work(args.hit_visits)) as advance:
         for layers, hidden in models:
             model_dir = default_model_dir().with_name(f"tiny-llama-{layers}x{hidden}")
             reports.append(
