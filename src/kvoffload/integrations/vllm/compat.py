@@ -158,3 +158,9 @@ def group_window_chunks(group: object) -> tuple[bool, int | None]:
         return False, None
     chunks: int | None = group.sliding_window_size_in_chunks
     return True, chunks
+
+
+def is_draft_spec(spec: object) -> bool:
+    """Whether a KV cache spec is a drafter's (0.33 marks them ``is_draft``; 0.32 says so
+    only through the group's ``is_eagle_group``, which callers read themselves)."""
+    return bool(getattr(spec, "is_draft", False))

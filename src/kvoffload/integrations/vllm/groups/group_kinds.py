@@ -50,7 +50,7 @@ def group_kind(spec: Any, is_eagle_group: bool = False) -> str:
     if isa("MambaSpec"):
         return f"mamba_{getattr(spec, 'mamba_cache_mode', 'none')}"
     if isa("FullAttentionSpec"):
-        if is_eagle_group or getattr(spec, "is_draft", False):
+        if is_eagle_group or compat.is_draft_spec(spec):
             return "drafter"
         return "mla" if isa("MLAAttentionSpec") else "full_attention"
     return f"unsupported:{type(spec).__name__}"
