@@ -27,8 +27,10 @@ def vs_baseline(results: Sequence[RunResult]) -> dict[tuple[str, int, str], floa
 
 
 def print_table(results: Sequence[RunResult], title: str) -> None:
-    from rich.console import Console, JustifyMethod
+    from rich.console import JustifyMethod
     from rich.table import Table
+
+    from kvoffload.bench.console import console
 
     ratio = vs_baseline(results)
     table = Table(title=title)
@@ -64,10 +66,7 @@ def print_table(results: Sequence[RunResult], title: str) -> None:
             f"{r.sent_to_longest_prefix:.0%}",
             "/".join(map(str, r.requests_per_instance)),
         )
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=170)  # piped: 80 columns would fold every figure
-    console.print(table)
+    console(170).print(table)
 
 
 def plot(results: Sequence[RunResult], path: str | Path) -> Path:

@@ -125,8 +125,7 @@ def _route_all(
     """Every workload x instance count x router, on engine processes started once."""
     from contextlib import ExitStack
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
+    from kvoffload.bench.console import progress_bar
     from kvoffload.bench.routing.indexer import DynamoIndexer, IndexerClient
     from kvoffload.bench.routing.routed_run import run_routed
     from kvoffload.bench.routing.routers import make_router
@@ -148,18 +147,11 @@ def _route_all(
         for proc in processes:
             stack.callback(proc.close)
         total = sum(len(w) for w in workloads.values()) * len(args.instances) * len(args.routers)
-        with Progress(
-            "[progress.description]{task.description}",
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            disable=args.json,
-        ) as progress:
-            task = progress.add_task("routing", total=total)
+        with progress_bar("routing", total, show=not args.json) as advance:
             for name, requests in workloads.items():
                 for n in args.instances:
                     for router_name in args.routers:
-                        progress.update(task, description=f"{name} N={n} {router_name}")
+                        advance(0, f"{name} N={n} {router_name}")
                         results.append(
                             run_routed(
                                 name,
@@ -171,7 +163,7 @@ def _route_all(
                                 redis_url,
                                 args.concurrency or 2 * n,
                                 host=args.host,
-                                on_done=lambda: progress.advance(task),
+                                on_done=advance,
                             )
                         )
     return results
