@@ -313,34 +313,24 @@ def run(args: argparse.Namespace) -> int:
         plots.require("kvoffload bench offload --out")
     name, trace, times = _trace_from_args(args)
     caps = _capacities(args)
-    look = args.lookahead_s
+    from kvoffload.bench.console import console, progress_bar
+
     oracle = args.session_oracle
+    per_cap = len(policies) + 1 + oracle + (0 if args.no_vllm else len(VLLM_ROWS))
+    with progress_bar("replaying", len(caps) * per_cap, show=not args.json) as advance:
+        report = bench(
+            trace, caps, policies, not args.no_vllm, lambda what: advance(1, what), times,
+            args.lookahead_s, oracle,
+        )  # fmt: skip
+    report["trace"] = name
     if args.json:
-        report = bench(trace, caps, policies, not args.no_vllm, None, times, look, oracle)
-        report["trace"] = name
         if args.out:
             offload_report.write(report, args.out)
         print(json.dumps(report))
         return 0
-
-    from rich.console import Console
-    from rich.progress import Progress
-
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=120)  # piped to a file or CI log: no terminal to fit
-    per_cap = len(policies) + 1 + oracle + (0 if args.no_vllm else len(VLLM_ROWS))
-    steps = len(caps) * per_cap
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("replaying", total=steps)
-
-        def progress(what: str) -> None:
-            bar.update(task, advance=1, description=what)
-
-        report = bench(trace, caps, policies, not args.no_vllm, progress, times, look, oracle)
-    report["trace"] = name
-    offload_report.print_report(report, console)
+    out = console(120)
+    offload_report.print_report(report, out)
     if args.out:
         paths = offload_report.write(report, args.out)
-        console.print("wrote " + ", ".join(str(p) for p in paths))
+        out.print("wrote " + ", ".join(str(p) for p in paths))
     return 0
