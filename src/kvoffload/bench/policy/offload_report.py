@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvoffload.bench import plots
+from kvoffload.bench.console import markdown_table
 
 
 def _rows(report: dict[str, Any]) -> tuple[list[str], list[str], dict[str, dict[str, Any]]]:
@@ -166,11 +167,11 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         replay_note(report),
         "",
-        "| " + " | ".join(lines[0]) + " |",
-        "|" + "---|" * len(lines[0]),
+        *markdown_table(lines[0], lines[1:]),
+        "",
+        closing_note(report),
+        "",
     ]
-    out += ["| " + " | ".join(cells) + " |" for cells in lines[1:]]
-    out += ["", closing_note(report), ""]
     return "\n".join(out)
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.bench import plots
+from kvoffload.bench.console import markdown_table
 from kvoffload.cli import argtypes
 from kvoffload.cli.engine_args import add_engine_arguments
 
@@ -218,16 +219,6 @@ def _full_row(s: Any) -> list[str]:
     ]
 
 
-def markdown_table(summaries: list[Any], note: str = "") -> str:
-    lines = ["| " + " | ".join(FULL_COLUMNS) + " |", "|" + "---|" * len(FULL_COLUMNS)]
-    lines += ["| " + " | ".join(_full_row(s)) + " |" for s in summaries]
-    return "\n".join(lines) + "\n" + (f"\n{note}\n" if note else "")
-
-
-def write_markdown(summaries: list[Any], path: Path, note: str = "") -> None:
-    path.write_text(markdown_table(summaries, note))
-
-
 def narrow_table(summaries: list[Any]) -> list[str]:
     """The summary as plain lines of at most 80 characters (the full table is in the file)."""
     off = summaries[0].prefill_tokens_computed
@@ -305,7 +296,8 @@ def run_model(args: argparse.Namespace) -> int:
     )
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    write_markdown(summaries, out / "serve.md", note)
+    table = markdown_table(FULL_COLUMNS, map(_full_row, summaries))
+    (out / "serve.md").write_text("\n".join(table) + f"\n\n{note}\n")
     write_plot(summaries, out / "serve.png")
     if args.json:
         print(
@@ -446,18 +438,24 @@ def run_mooncake(args: argparse.Namespace) -> int:
 
 def mooncake_markdown(report: dict[str, Any]) -> str:
     cols = ("config", "GPU hit", "CPU hit", "total hit", "offered", "stored", "refused", "ops/s")
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for name, r in report["results"].items():
-        lines.append(
-            f"| {name} | {r['hit_rate_gpu']:.2%} | {r['hit_rate_cpu']:.2%} | "
-            f"{r['hit_rate_total']:.2%} | {r['blocks_offered']:,} | {r['blocks_stored']:,} | "
-            f"{r['stores_refused']:,} | {r['ops_per_s']:,.0f} |"
+    rows = [
+        (
+            name,
+            f"{r['hit_rate_gpu']:.2%}",
+            f"{r['hit_rate_cpu']:.2%}",
+            f"{r['hit_rate_total']:.2%}",
+            f"{r['blocks_offered']:,}",
+            f"{r['blocks_stored']:,}",
+            f"{r['stores_refused']:,}",
+            f"{r['ops_per_s']:,.0f}",
         )
+        for name, r in report["results"].items()
+    ]
     ref = report["reference"]
-    s = report["settings"]
-    lines += [
+    lines = [
+        *markdown_table(cols, rows),
         "",
-        f"Settings: {json.dumps(s)}",
+        f"Settings: {json.dumps(report['settings'])}",
         f"Ceiling {ref['ceiling_hit_rate']:.2%}; "
         f"Belady (GPU+CPU) {ref['belady_hit_rate_gpu_plus_cpu']:.2%}; "
         f"Belady (CPU) {ref['belady_hit_rate_cpu']:.2%}.",
