@@ -1,25 +1,11 @@
 """A client (and, on one machine, a launcher) for NVIDIA Dynamo's standalone KV indexer.
 
-Dynamo's indexer (PyPI ``ai-dynamo-runtime``, ``python -m dynamo.indexer``) is
-a plain HTTP service: no etcd, no NATS. Facts this module relies on, checked
-against the 1.6.1 wheel:
-
-* ``POST /register {instance_id, endpoint, replay_endpoint, model_name,
-  block_size}`` makes it subscribe to an instance's ZMQ KV-event stream
-  (vLLM's wire format) and ask its replay socket for what it missed;
-* ``POST /query {token_ids, model_name}`` answers, per instance id (a string
-  key), ``{longest_matched, gpu, cpu, disk}`` in tokens. Each tier field is the
-  longest prefix held by that tier *or a faster one*: ``gpu <= cpu <= disk``
-  (``cpu`` counts GPU-or-CPU blocks, ``disk`` GPU-, CPU- or local-storage ones);
-  an instance that holds nothing of the prompt may be missing from the answer;
-* ``GET /dump`` lists the indexed blocks as store events, each with its
-  ``storage_tier`` (``device``, ``host_pinned``, ``disk``);
-* blocks announced with ``medium="STORAGE", locality="REMOTE"`` (a store
-  shared by instances) are not indexed by 1.6.1, and an offloaded tier's store
-  without token ids (``block_size=0``) is dropped ("Block size must be ...").
-
-Nothing here is local to one host but :class:`DynamoIndexer`'s launcher: a
-router elsewhere uses :class:`IndexerClient` with the service's URL.
+Dynamo's indexer (PyPI ``ai-dynamo-runtime``, ``python -m dynamo.indexer``) is a plain
+HTTP service: ``/register`` subscribes it to an instance's KV events, ``/query`` answers
+per instance id the staged overlap ``gpu <= cpu <= disk`` in tokens (absent: nothing
+held), ``/dump`` lists the indexed blocks; what 1.6.1 indexes and what it does not:
+docs/routing.md. Nothing here is local to one host but :class:`DynamoIndexer`'s launcher:
+a router elsewhere uses :class:`IndexerClient` with the service's URL.
 """
 
 from __future__ import annotations
@@ -123,10 +109,6 @@ class IndexerClient:
     def dump(self) -> dict[str, object]:
         answer = self._call("/dump")
         return answer if isinstance(answer, dict) else {}
-
-    def workers(self) -> list[dict[str, object]]:
-        answer = self._call("/workers")
-        return answer if isinstance(answer, list) else []
 
     def ready(self) -> bool:
         try:

@@ -1,20 +1,11 @@
 """``kvoffload bench route``: N engines behind a KV-aware router, vs round robin and random.
 
-Each instance is a reference-engine process with its own GPU and CPU tiers,
-all sharing one Redis tier (a redis-server the bench starts, or
-``--redis-url``) and publishing KV events that NVIDIA Dynamo's standalone
-indexer (started by the bench, or ``--indexer-url``) indexes. The ``kv``
-router asks the indexer for every instance's per-tier overlap and sends each
-request where prefill costs least, counting the work already queued there
-(``route_policy``); ``round_robin`` and ``random`` ignore the index. Every
-router serves the same requests from the same empty state.
-
-Reported per workload (the multi-turn chat, the Mooncake synthetic trace),
-instance count and router: prefix hit rate per tier, prefill tokens
-computed (and as a ratio of round robin's), TTFT p50 / p99 (noisy on a
-shared machine), and the share of requests, among those some instance
-held a prefix of, sent to the instance holding the longest one.
-Design notes for instances on other hosts: docs/routing.md.
+Every router serves the same requests from the same empty state; reported per workload
+(the multi-turn chat, the Mooncake synthetic trace), instance count and router: prefix hit
+rate per tier, prefill tokens computed (and as a ratio of round robin's), TTFT p50 / p99
+(noisy on a shared machine), and the share of requests, among those some instance held a
+prefix of, sent to the instance holding the longest one. The pieces (instances, Dynamo's
+indexer, the shared Redis tier, the routers) and design notes: docs/routing.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,17 @@
 """Routers for the routing bench: KV-aware (Dynamo's indexer), round robin, random.
 
-A router picks an instance for each request from what it knows: the
-request's tokens, each instance's load (requests and prefill tokens the
-router sent there that have not finished) and, for the KV-aware one, the
-indexer's per-tier overlaps. Every router sees the same ``Load`` and the
-same overlaps, so they differ only in their choice.
-
-The KV router's cost of sending a prompt of ``P`` tokens to instance ``i``
-(lower is better) follows Dynamo's KV router: the prefill it would compute
-plus the prefill already queued there,
+Every router sees the same ``Load`` (requests and prefill tokens sent to an instance and
+not finished) and the same overlaps, so they differ only in their choice. The KV router's
+cost of a prompt of ``P`` tokens on instance ``i`` (lower is better) follows Dynamo's:
 
     cost_i = (P - credit_i) + load_weight * queued_prefill_i,
     credit_i = w_gpu * gpu_i + w_cpu * (cpu_i - gpu_i) + w_disk * (disk_i - cpu_i),
 
-where ``gpu_i <= cpu_i <= disk_i`` are the indexer's staged overlaps (a load
-from CPU or disk is cheaper than a recompute, dearer than a GPU hit, hence the
-weights below 1). Ties go to the instance with fewer running requests, then
-round robin.
-
-The indexer knows a block once its instance computed and announced it; a
-request sent right after another with the same prefix (the next turn of a
-conversation, a burst on one document) arrives before that. So the router
-also remembers the prefixes of the last ``recent`` requests it sent to each
-instance (:class:`RecentPrefixes`, as Dynamo's router tracks its active
-sequences) and counts such a prefix as a GPU overlap where the indexer has
-less. The shared Redis tier is the same for every instance, so it
-changes no choice and the indexer need not know it.
+over the indexer's staged overlaps ``gpu_i <= cpu_i <= disk_i``; ties go to fewer running
+requests, then round robin. A request sent right after another with the same prefix
+arrives before the indexer knows that prefix, so the router also counts the prefixes it
+recently sent each instance (:class:`RecentPrefixes`, as Dynamo's router tracks its
+active sequences) as GPU overlap where the indexer has less.
 """
 
 from __future__ import annotations
@@ -200,10 +186,6 @@ class KVRouter(Router):
                 loads[i].requests,
             ),
         )
-
-    def expected_prefill(self, num_tokens: int, overlap: TierOverlap) -> int:
-        """Tokens the chosen instance will compute, by the router's estimate (its GPU hit off)."""
-        return max(0, num_tokens - overlap.gpu)
 
 
 def make_router(name: str, seed: int = 0, block_size: int | None = None) -> Router:
