@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -35,6 +36,18 @@ def format_bytes(num_bytes: int) -> str:
 
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def io_figures(
+    block_bytes: int, n: int, seconds: dict[str, float], raw_put: str, raw_get: str
+) -> dict[str, Any]:
+    """GB/s of each timed pass over ``n`` blocks; put and get as shares of their raw baselines."""
+    res: dict[str, Any] = {"block_bytes": block_bytes, "blocks": n}
+    res.update({f"{k}_gbps": gbps(n * block_bytes, t) for k, t in seconds.items()})
+    for op, raw in (("put", raw_put), ("get", raw_get)):
+        base = res[f"{raw}_gbps"]
+        res[f"{op}_ratio"] = res[f"{op}_gbps"] / base if base else 0.0
+    return res
 
 
 def timed(fn: Callable[[], object]) -> float:

@@ -22,6 +22,7 @@ from kvoffload.bench.tiers.common import (
     batches,
     block_keys,
     gbps,
+    io_figures,
     parse_bytes,
     timed,
 )
@@ -89,18 +90,9 @@ def bench_disk(args: argparse.Namespace, block_bytes: int, root: Path) -> dict[s
         store.close()
         shutil.rmtree(d, ignore_errors=True)
     t_raw_w, t_raw_r = _raw_disk(root / f"raw-{block_bytes}.bin", data, direct)
-    total = n * block_bytes
-    res = {
-        "block_bytes": block_bytes,
-        "blocks": n,
-        "direct_io": direct,
-        "put_gbps": gbps(total, t_put),
-        "get_gbps": gbps(total, t_get),
-        "raw_write_gbps": gbps(total, t_raw_w),
-        "raw_read_gbps": gbps(total, t_raw_r),
-    }
-    res["put_ratio"] = res["put_gbps"] / res["raw_write_gbps"] if res["raw_write_gbps"] else 0.0
-    res["get_ratio"] = res["get_gbps"] / res["raw_read_gbps"] if res["raw_read_gbps"] else 0.0
+    times = {"put": t_put, "get": t_get, "raw_write": t_raw_w, "raw_read": t_raw_r}
+    res = io_figures(block_bytes, n, times, "raw_write", "raw_read")
+    res["direct_io"] = direct
     res.update(bench_disk_handler(args, block_bytes, root))
     return res
 

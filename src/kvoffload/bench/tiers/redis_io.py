@@ -8,20 +8,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import shutil
-import socket
-import subprocess
-import tempfile
-import time
 from collections.abc import Iterator
 from typing import Any, cast
 
 import numpy as np
 
-from kvoffload.bench.tiers.common import batches, block_keys, gbps, parse_bytes, timed
+from kvoffload.bench.routing.services import LocalRedis
+from kvoffload.bench.tiers.common import batches, block_keys, io_figures, parse_bytes, timed
 
 
 @contextlib.contextmanager
 def redis_server(url: str | None) -> Iterator[str | None]:
+    """``url``, else a temporary ``redis-server``'s (or Valkey's), else None (neither found)."""
     if url is not None:
         yield url
         return
@@ -29,43 +27,8 @@ def redis_server(url: str | None) -> Iterator[str | None]:
     if binary is None:
         yield None
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workdir = tempfile.mkdtemp(prefix="kvoffload-bench-redis-")
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            workdir,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        import redis
-
-        client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1)
-        for _ in range(500):
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.02)
-        client.close()
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(workdir, ignore_errors=True)
+    with LocalRedis(binary) as server:
+        yield server.url
 
 
 def bench_redis(args: argparse.Namespace, block_bytes: int, url: str) -> dict[str, Any]:
@@ -117,15 +80,5 @@ def bench_redis(args: argparse.Namespace, block_bytes: int, url: str) -> dict[st
     finally:
         store.close()
         raw.close()
-    total = n * block_bytes
-    res = {
-        "block_bytes": block_bytes,
-        "blocks": n,
-        "put_gbps": gbps(total, t_put),
-        "get_gbps": gbps(total, t_get),
-        "raw_set_gbps": gbps(total, t_raw_put),
-        "raw_mget_gbps": gbps(total, t_raw_get),
-    }
-    res["put_ratio"] = res["put_gbps"] / res["raw_set_gbps"] if res["raw_set_gbps"] else 0.0
-    res["get_ratio"] = res["get_gbps"] / res["raw_mget_gbps"] if res["raw_mget_gbps"] else 0.0
-    return res
+    times = {"put": t_put, "get": t_get, "raw_set": t_raw_put, "raw_mget": t_raw_get}
+    return io_figures(block_bytes, n, times, "raw_set", "raw_mget")
