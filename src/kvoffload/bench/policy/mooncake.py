@@ -30,7 +30,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvoffload.blocks import BlockPool, KVCacheBlock
@@ -94,22 +94,9 @@ class ReplayResult:
         return self.block_ops / self.seconds if self.seconds > 0 else 0.0
 
     def as_dict(self) -> dict[str, float | int]:
-        return {
-            "requests": self.requests,
-            "blocks": self.blocks,
-            "gpu_hit_blocks": self.gpu_hit_blocks,
-            "cpu_hit_blocks": self.cpu_hit_blocks,
-            "hit_rate_gpu": self.hit_rate_gpu,
-            "hit_rate_cpu": self.hit_rate_cpu,
-            "hit_rate_total": self.hit_rate_gpu + self.hit_rate_cpu,
-            "blocks_offered": self.blocks_offered,
-            "blocks_stored": self.blocks_stored,
-            "stores_refused": self.stores_refused,
-            "stores_declined": self.stores_declined,
-            "block_ops": self.block_ops,
-            "ops_per_s": self.ops_per_s,
-            "seconds": self.seconds,
-        }
+        rates = {"hit_rate_gpu": self.hit_rate_gpu, "hit_rate_cpu": self.hit_rate_cpu}
+        rates["hit_rate_total"] = self.hit_rate_gpu + self.hit_rate_cpu
+        return {**asdict(self), **rates, "ops_per_s": self.ops_per_s}
 
 
 def full_blocks(req: MooncakeRequest, block_size: int = 512) -> list[int]:
