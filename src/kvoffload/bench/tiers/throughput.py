@@ -1,26 +1,11 @@
 """``kvoffload bench tiers``: disk and Redis tier throughput against raw I/O of the same bytes.
 
-Per block size, in one run:
-
-- disk: ``DiskBlockStore.put`` / ``get_into`` in batches (checksums, index,
-  O_DIRECT where the filesystem allows), against the baseline of writing and
-  reading the same bytes as one sequential stream of 16 MiB ``pwrite`` /
-  ``pread`` calls in the same I/O mode (the practical limit of the device);
-- the disk tier's handler (``DiskTransferHandler``): CPU slots of a real host
-  pool to disk and back, for a ``cross_layer`` pool (zero-copy) and a
-  ``layer_first`` pool (gathered and scattered through a staging buffer);
-- Redis: ``RedisBlockStore.put`` / ``get_into`` (header, checksum, verified
-  reads) against plain pipelined ``SET`` / ``MGET`` of the same bytes on the
-  same server (a temporary ``redis-server`` when no ``--redis-url`` is given),
-  and its 32-key presence check;
-- Mooncake (``mooncake_io``): the Mooncake tier's store, remote and co-located,
-  beside the Redis figures of the same run, with ratios.
-
-The disk and Redis measurements live in ``disk_io`` and ``redis_io``.
-Disk writes are timed on a second pass, over slab blocks the first pass
-allocated (the steady state of a tier that has filled up once). Buffered disk
-reads may come from the page cache; with O_DIRECT (the default where
-possible) they do not.
+Per block size, in one run: the disk store and the disk tier's handler against sequential
+``pwrite`` / ``pread`` (``disk_io``), the Redis store against plain pipelined ``SET`` /
+``MGET`` on the same server (``redis_io``), and the Mooncake tier's store, remote and
+co-located, beside the Redis figures with ratios (``mooncake_io``). Disk writes are timed
+on a second pass, over slabs the first pass allocated (a tier that has filled up once);
+buffered disk reads may come from the page cache, O_DIRECT ones (the default) do not.
 """
 
 from __future__ import annotations
