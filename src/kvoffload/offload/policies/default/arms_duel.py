@@ -93,7 +93,7 @@ class ArmsDuel(ArmsChainLRUPolicy):
         to 1.7 times too large (4 groups, window 1,024, 5%), where ARC and second
         sighting looked as good as admitting all, and ``admit`` saw free slots in a full
         tier: the first sightings second sighting declines were stored all the same,
-        evicting kept chunks (2 groups, window 128, 5%: 35.75 -> 38.62 hit %)."""
+        evicting kept chunks (2 groups, window 128, 5%: 35.75 -> 37.55 hit %)."""
         if 16 * abs(resident - self.capacity) <= self.capacity:
             return
         self.capacity = resident
