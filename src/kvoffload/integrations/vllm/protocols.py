@@ -15,7 +15,10 @@ the place it does.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 # -- configuration -------------------------------------------------------------------------
 
@@ -122,3 +125,35 @@ class SchedulerOutputView(Protocol):
 
     @property
     def finished_req_ids(self) -> Iterable[str] | None: ...
+
+
+# -- the shared CPU region and vLLM's tiering objects (lower tiers) ---------------------------
+
+
+class SharedRegionView(Protocol):
+    """vLLM's ``SharedOffloadRegion`` as ``shm_lifetime.open_shared_region`` returns it."""
+
+    @property
+    def is_pinned(self) -> bool: ...
+
+    def create_next_worker_view(self, nbytes: int) -> torch.Tensor:
+        """The next ``nbytes`` of every row of this rank's shard, as one tensor."""
+        ...
+
+    def cleanup(self) -> None:
+        """Unmap the region and release kvoffload's lease on its ``/dev/shm`` name."""
+        ...
+
+
+class PrimaryTierView(Protocol):
+    """vLLM's ``CPUPrimaryTierOffloadingManager`` as the spec builds the tiers over it."""
+
+    def get_kv_memoryview(self) -> memoryview: ...
+
+    def shutdown(self) -> None: ...
+
+
+class SecondaryTierView(Protocol):
+    """Any vLLM secondary tier (kvoffload's or vLLM's own), as a failed start stops it."""
+
+    def shutdown(self) -> None: ...

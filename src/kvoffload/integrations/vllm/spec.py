@@ -47,6 +47,11 @@ from kvoffload.integrations.vllm.groups.group_slots import (
 from kvoffload.integrations.vllm.groups.window_keep import (
     check_reachable as check_window_keep_reachable,
 )
+from kvoffload.integrations.vllm.protocols import (
+    PrimaryTierView,
+    SecondaryTierView,
+    SharedRegionView,
+)
 from kvoffload.integrations.vllm.scheduler.class_managers import ClassedCPUManager
 from kvoffload.integrations.vllm.scheduler.connector_build import current_build
 from kvoffload.integrations.vllm.scheduler.manager import KVOffloadManager
@@ -173,7 +178,7 @@ class KVOffloadSpec(OffloadingSpec):
         self.secondary_tier_configs = secondary_tier_configs(self.settings) if self.tiered else []
         self._manager: OffloadingManager | None = None
         self._worker: KVOffloadWorker | None = None
-        self._region: Any = None
+        self._region: SharedRegionView | None = None
         if self.num_slots and self.slot_plan is not None:
             names = [group_name(config, g) for g in range(len(config.groups))]
             logger.info(
@@ -247,8 +252,8 @@ class KVOffloadSpec(OffloadingSpec):
             self.cpu_page_size_per_worker,
             world_size=max(1, self.config.parallel.world_size),
         )
-        primary: Any = None
-        tiers: list[Any] = []
+        primary: PrimaryTierView | None = None
+        tiers: list[SecondaryTierView] = []
         try:
             with policies_built() as built:
                 primary = compat.make_primary_tier(
@@ -319,7 +324,7 @@ class KVOffloadSpec(OffloadingSpec):
             sub_block_pools=pools,
         )
 
-    def _shared_host_pools(self, layout: KVLayout) -> tuple[list[HostPool], Any]:
+    def _shared_host_pools(self, layout: KVLayout) -> tuple[list[HostPool], SharedRegionView]:
         """This rank's shard of the shared region: one pool of one-block slots per
         sub-block position of an offloaded block (``blocks_per_chunk`` of them)."""
         region = open_shared_region(

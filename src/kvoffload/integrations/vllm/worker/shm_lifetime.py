@@ -61,6 +61,7 @@ import struct
 from typing import Any
 
 from kvoffload.integrations.vllm import log_bridge
+from kvoffload.integrations.vllm.protocols import SharedRegionView
 from kvoffload.transfer import format_bytes
 
 log_bridge.install()
@@ -423,7 +424,7 @@ def open_shared_region(
     cpu_page_size: int,
     *,
     world_size: int,
-) -> Any:
+) -> SharedRegionView:
     """vLLM's ``SharedOffloadRegion`` for ``rank`` (None: the scheduler), under a lease.
 
     ``world_size`` workers and one scheduler map the region; once all have, its
