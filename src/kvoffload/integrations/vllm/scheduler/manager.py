@@ -47,6 +47,7 @@ from kvoffload.integrations.vllm.protocols import GroupOffloadConfigView
 from kvoffload.integrations.vllm.scheduler.class_managers import ClassedCPUManager
 from kvoffload.integrations.vllm.scheduler.store_threshold import StoreThreshold
 from kvoffload.offload import CPULoadStoreSpec, CPUOffloadingManager
+from kvoffload.offload.base import LoadStoreSpec as KVLoadStoreSpec
 
 # Under "vllm." so that vLLM's logging configuration shows these lines.
 logger = logging.getLogger("vllm.kvoffload")
@@ -59,7 +60,8 @@ class KVOffloadJobSpec(LoadStoreSpec):
     can report which one failed.
     """
 
-    def __init__(self, inner: object, op_id: int) -> None:
+    def __init__(self, inner: KVLoadStoreSpec, op_id: int) -> None:
+        #: kvoffload's spec of the CPU tier's slots (a ``CPULoadStoreSpec``).
         self.inner = inner
         self.op_id = op_id
 
