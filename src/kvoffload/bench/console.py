@@ -18,8 +18,9 @@ if TYPE_CHECKING:
 def progress_bar(label: str, total: int, show: bool = True) -> Iterator[Callable[..., None]]:
     """A transient bar for ``total`` steps; yields ``advance(n=1, what=None)``.
 
-    ``what`` relabels the bar (the step now running). On stderr, so that ``--json``
-    on stdout stays one JSON object; ``show=False`` draws nothing.
+    ``what`` relabels the bar (the step now running); ``advance(what)``, a name alone,
+    counts the step it names. On stderr, so that ``--json`` on stdout stays one JSON
+    object; ``show=False`` draws nothing.
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -34,8 +35,11 @@ def progress_bar(label: str, total: int, show: bool = True) -> Iterator[Callable
     ) as bar:
         task = bar.add_task(label, total=total)
 
-        def advance(n: int = 1, what: str | None = None) -> None:
-            bar.update(task, advance=n, description=what or label)
+        def advance(n: int | str = 1, what: str | None = None) -> None:
+            if isinstance(n, str):
+                bar.update(task, advance=1, description=n)
+            else:
+                bar.update(task, advance=n, description=what or label)
 
         yield advance
 

@@ -319,9 +319,8 @@ def run(args: argparse.Namespace) -> int:
     per_cap = len(policies) + 1 + oracle + (0 if args.no_vllm else len(VLLM_ROWS))
     with progress_bar("replaying", len(caps) * per_cap, show=not args.json) as advance:
         report = bench(
-            trace, caps, policies, not args.no_vllm, lambda what: advance(1, what), times,
-            args.lookahead_s, oracle,
-        )  # fmt: skip
+            trace, caps, policies, not args.no_vllm, advance, times, args.lookahead_s, oracle
+        )
     report["trace"] = name
     if args.json:
         if args.out:

@@ -262,8 +262,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
         return 0 if report["identical_outputs"] == report["requests"] else 1
-    cols = ("offload", "requests", "prompt tok", "device cached", "kvoffload cached")
-    cols += ("TTFT p50 ms", "TTFT p99 ms", "prompt tok/s", "output tok/s", "engine start s")
+    cols = ["offload", "requests", "prompt tok", "device cached", "kvoffload cached"]
+    cols += ["TTFT p50 ms", "TTFT p99 ms", "prompt tok/s", "output tok/s", "engine start s"]
     rows = [
         (
             name,
