@@ -441,24 +441,17 @@ def run(args: argparse.Namespace) -> int:
     fractions = [float(x) for x in args.capacity.split(",") if x]
     bpt = [int(x) for x in args.bytes_per_token.split(",") if x]
     work = _workloads(args)
+    from kvoffload.bench.console import console as wide_console
+    from kvoffload.bench.console import progress_bar
+
+    total = len(work) * len(fractions) * len(rows)
+    with progress_bar("replaying", total, show=not args.json) as advance:
+        report = bench(work, fractions, rows, bpt, advance)
     if args.json:
-        report = bench(work, fractions, rows, bpt)
         report["vllm"] = reason or ("not requested" if args.no_vllm else "0.33 managers")
         print(json.dumps(report))
         return 0
-    from rich.console import Console
-    from rich.progress import Progress
-
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=200)  # piped: keep each table row on one line
-    with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("replaying", total=len(work) * len(fractions) * len(rows))
-
-        def progress(what: str) -> None:
-            bar.update(task, advance=1, description=what)
-
-        report = bench(work, fractions, rows, bpt, progress)
+    console = wide_console(200)  # piped: keep each table row on one line
     if reason:
         console.print(f"vLLM rows skipped: {reason}")
     console.print(
