@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
-from rich.console import Console
 from rich.table import Table
 
 from kvoffload.bench.policy import suite, suite_hybrid
@@ -74,15 +73,6 @@ def held_out_table(points: Sequence[suite.Point], candidates: Sequence[str]) -> 
             _d(h.best_worst),
         )
     return t
-
-
-def markdown_family_table(points: Sequence[suite.Point], candidates: Sequence[str]) -> str:
-    """The per-family worst deltas as a markdown table (for commit messages and the README)."""
-    lines = ["| family | " + " | ".join(f"`{c}`" for c in candidates) + " |"]
-    lines.append("|---|" + "---|" * len(candidates))
-    for fam, worst in suite.worst_by_family(points, candidates).items():
-        lines.append(f"| {fam} | " + " | ".join(_d(worst[c]) for c in candidates) + " |")
-    return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -167,20 +157,14 @@ def run(args: argparse.Namespace) -> int:
             report["warning"] = warning
         print(json.dumps(report))
         return 0
-    from rich.progress import Progress
+    from kvoffload.bench.console import console as wide_console
+    from kvoffload.bench.console import progress_bar
 
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=160)
-    with Progress(console=console, transient=True) as bar:
-        total = suite.steps(traces, len(candidates))
-        if hybrid:
-            total += suite_hybrid.steps(args.suite_size, len(candidates))
-        task = bar.add_task("suite", total=total)
-
-        def progress(what: str) -> None:
-            bar.update(task, advance=1, description=what)
-
+    console = wide_console(160)
+    total = suite.steps(traces, len(candidates))
+    if hybrid:
+        total += suite_hybrid.steps(args.suite_size, len(candidates))
+    with progress_bar("suite", total) as progress:
         points = suite.run_suite(traces, policies, variants, look, progress, rows)
         if hybrid:
             points += suite_hybrid.run_hybrid(policies, variants, args.suite_size, progress)
