@@ -13,9 +13,6 @@ cache counters (``prefix_cache_hits``: the device tier; ``external_prefix_cache_
 tokens the KV connector loaded, which is kvoffload's tiers). With
 ``kv_events`` set, a kvoffload ``KVEventSubscriber`` reads the engine's own
 publisher and the result counts stored / removed blocks per medium.
-
-This module imports vLLM only inside ``run_job``; the driver side
-(``kvoffload.bench.vllm.engine``) never imports it.
 """
 
 from __future__ import annotations
@@ -202,8 +199,6 @@ def run_interleaved(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     engine under the same machine load, so their TTFTs compare on a shared
     host (run one after another, they drift with the neighbours).
     """
-    from vllm import SamplingParams
-
     live: list[tuple[dict[str, Any], Any, float]] = []
     try:
         for spec in specs:
@@ -226,9 +221,7 @@ def run_interleaved(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     if i >= len(ph["prompts"]):
                         continue
                     llm = live[e][1]
-                    sampling = SamplingParams(
-                        max_tokens=ph.get("max_tokens", 8), temperature=0.0, ignore_eos=True
-                    )
+                    sampling = _sampling(ph)
                     before = _counters(llm)
                     got = _serve(llm.llm_engine, sampling, [ph["prompts"][i]], f"{name}r{i}")
                     after = _counters(llm)
@@ -253,17 +246,12 @@ def run_interleaved(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
             for ph in spec["phases"]
         ]
-        profile = (spec.get("env") or {}).get("KVOFFLOAD_HIT_PROFILE")
-        if profile:
-            result["hit_profile"] = read_profile(profile)
-        results.append(result)
+        results.append(_with_profile(result, spec))
     return results
 
 
 def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     """Start one engine, serve its phases, shut it down; the engine's result."""
-    from vllm import SamplingParams
-
     t0 = time.perf_counter()
     collector = None
     events = spec.get("kv_events")
@@ -280,9 +268,7 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     phases = []
     try:
         for p, phase in enumerate(spec["phases"]):
-            sampling = SamplingParams(
-                max_tokens=phase.get("max_tokens", 8), temperature=0.0, ignore_eos=True
-            )
+            sampling = _sampling(phase)
             before = _counters(llm)
             t = time.perf_counter()
             requests: list[dict[str, Any]] = []
@@ -311,6 +297,17 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
         del engine, llm
         gc.collect()
     result["phases"] = phases
+    return _with_profile(result, spec)
+
+
+def _sampling(phase: dict[str, Any]) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=phase.get("max_tokens", 8), temperature=0.0, ignore_eos=True)
+
+
+def _with_profile(result: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    """``result`` with the hit profile's records, where ``spec`` asked for one."""
     profile = (spec.get("env") or {}).get("KVOFFLOAD_HIT_PROFILE")
     if profile:
         result["hit_profile"] = read_profile(profile)
