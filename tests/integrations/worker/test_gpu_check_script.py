@@ -9,7 +9,7 @@ import importlib.util  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
+SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "gpu_check.py"
 
 
 def test_gpu_check_cpu_smoke(tmp_path: Path) -> None:
