@@ -206,19 +206,13 @@ def _cell(summary: dict[str, Any], side: str) -> str:
 
 def run_against(args: argparse.Namespace, sizes: list[int], kinds: list[str]) -> int:
     """The ``--against`` command: progress bar, then the JSON or the table."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
     from rich.table import Table
 
-    with Progress(
-        TextColumn("transfer --against"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        console=Console(stderr=True),
-        transient=True,
-    ) as bar:
-        task = bar.add_task("rounds", total=len(sizes) * len(kinds) * args.rounds)
-        report = compare(args, sizes, progress=lambda k: bar.advance(task, k))
+    from kvoffload.bench.console import console, progress_bar
+
+    total = len(sizes) * len(kinds) * args.rounds
+    with progress_bar("transfer --against", total) as advance:
+        report = compare(args, sizes, progress=advance)
     if args.json:
         print(json.dumps(report))
         return 0
@@ -245,5 +239,5 @@ def run_against(args: argparse.Namespace, sizes: list[int], kinds: list[str]) ->
             x = row["this_over"][rev]
             cells.append(f"{x['store']:.2f} / {x['load']:.2f}")
         table.add_row(*cells)
-    Console(width=max(Console().width, 160)).print(table)
+    console(160).print(table)
     return 0

@@ -317,9 +317,9 @@ def bench(args: argparse.Namespace, progress: Callable[[], None] | None = None) 
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
     from rich.table import Table
+
+    from kvoffload.bench.console import console, progress_bar
 
     sizes, kinds, device = _resolve(args)
     if args.against:
@@ -328,12 +328,8 @@ def run(args: argparse.Namespace) -> int:
         from kvoffload.bench.transfer.against import run_against
 
         return run_against(args, sizes, kinds)
-    err = Console(stderr=True)
-    with Progress(
-        TextColumn("transfer"), BarColumn(), MofNCompleteColumn(), console=err, transient=True
-    ) as bar:
-        task = bar.add_task("sizes", total=len(sizes) * len(kinds))
-        report = bench(args, progress=lambda: bar.advance(task))
+    with progress_bar("transfer", len(sizes) * len(kinds)) as advance:
+        report = bench(args, progress=advance)
     if args.json:
         print(json.dumps(report))
         return 0
@@ -362,5 +358,5 @@ def run(args: argparse.Namespace) -> int:
             if r["store_strategy"] == r["load_strategy"]
             else f"{r['store_strategy']}/{r['load_strategy']}",
         )
-    Console(width=max(Console().width, 110)).print(table)
+    console(110).print(table)
     return 0
