@@ -149,6 +149,16 @@ def free_port() -> int:
     raise OSError("no free TCP port below the ephemeral range")
 
 
+def end_process(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """Terminate ``proc``, killed if it outlives ``grace_s``; reaped either way."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=grace_s)
+
+
 class DynamoIndexer:
     """Runs ``python -m dynamo.indexer`` on this host; ``client`` talks to it.
 
@@ -209,14 +219,8 @@ class DynamoIndexer:
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        if proc is not None:
+            end_process(proc)
 
     def restart(self) -> None:
         self.stop()

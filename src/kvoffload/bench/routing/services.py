@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvoffload.bench.routing.indexer import free_port
+from kvoffload.bench.routing.indexer import end_process, free_port
 
 START_TIMEOUT_S = 10.0
 
@@ -72,12 +72,7 @@ class LocalRedis:
     def stop(self) -> None:
         proc, self._proc = self._proc, None
         if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            end_process(proc)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> LocalRedis:
