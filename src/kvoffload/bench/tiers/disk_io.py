@@ -53,22 +53,23 @@ def _raw_disk(path: Path, data: np.ndarray, direct: bool) -> tuple[float, float]
         path.unlink()
 
 
-def bench_disk(args: argparse.Namespace, block_bytes: int, root: Path) -> dict[str, Any]:
+def _store(args: argparse.Namespace, path: Path, block_bytes: int, n: int) -> Any:
+    """A disk store of ``n`` blocks in ``path``, in the I/O mode and threads the flags ask."""
     from kvoffload.tiers.disk.store import DiskBlockStore
 
+    direct = False if args.buffered else None
+    return DiskBlockStore(
+        path, block_bytes, n, "bench", direct_io=direct, num_io_threads=args.io_threads
+    )
+
+
+def bench_disk(args: argparse.Namespace, block_bytes: int, root: Path) -> dict[str, Any]:
     n = max(1, parse_bytes(args.total) // block_bytes)
     data = aligned_empty(n * block_bytes).reshape(n, block_bytes)
     data[:] = np.random.default_rng(0).integers(0, 256, data.shape, dtype=np.uint8)
     out = aligned_empty(n * block_bytes).reshape(n, block_bytes)
     d = root / f"disk-{block_bytes}"
-    store = DiskBlockStore(
-        d,
-        block_bytes,
-        n,
-        "bench",
-        direct_io=False if args.buffered else None,
-        num_io_threads=args.io_threads,
-    )
+    store = _store(args, d, block_bytes, n)
     try:
         keys = block_keys(n, 1)
         parts = batches(n, args.batch)
@@ -113,7 +114,6 @@ def bench_disk_handler(args: argparse.Namespace, block_bytes: int, root: Path) -
 
     from kvoffload.offload import CPULoadStoreSpec
     from kvoffload.tiers.disk.handler import DiskTransferHandler
-    from kvoffload.tiers.disk.store import DiskBlockStore
     from kvoffload.tiers.lower_tier import DiskLoadStoreSpec
     from kvoffload.transfer.host_pool import HostPool
     from kvoffload.transfer.layout import KVGeometry, KVLayout
@@ -132,14 +132,7 @@ def bench_disk_handler(args: argparse.Namespace, block_bytes: int, root: Path) -
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))
         before = pool.read_slots(list(range(n)))
         d = root / f"handler-{kind}-{block_bytes}"
-        store = DiskBlockStore(
-            d,
-            pool.slot_bytes,
-            n,
-            "bench",
-            direct_io=False if args.buffered else None,
-            num_io_threads=args.io_threads,
-        )
+        store = _store(args, d, pool.slot_bytes, n)
         handler = DiskTransferHandler(store, pool)
         keys = block_keys(n, 2)
         down_specs = [
