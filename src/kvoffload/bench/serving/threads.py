@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -123,12 +124,6 @@ class BusyProcesses:
         self.procs.clear()
 
 
-def median(values: list[float]) -> float:
-    s = sorted(values)
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
-
-
 def measure(args: argparse.Namespace, progress: Callable[[], None] = lambda: None) -> dict:
     env = parse_env(args.env)
     quiet: list[RunTiming] = []
@@ -139,8 +134,8 @@ def measure(args: argparse.Namespace, progress: Callable[[], None] = lambda: Non
         with BusyProcesses(args.busy):
             loaded.append(run_once(args.requests, env, args.run_arg))
         progress()
-    q = median([t.wall_s for t in quiet])
-    b = median([t.wall_s for t in loaded])
+    q = statistics.median(t.wall_s for t in quiet)
+    b = statistics.median(t.wall_s for t in loaded)
     return {
         "requests": args.requests,
         "busy_processes": args.busy,
