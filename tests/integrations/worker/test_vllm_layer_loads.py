@@ -18,13 +18,13 @@ import pytest  # noqa: E402
 
 from kvoffload.integrations.vllm.worker.layer_loads import LayerStages  # noqa: E402
 from kvoffload.offload.media import CPU_MEDIUM, GPU_MEDIUM  # noqa: E402
-from tests.integrations.test_vllm_engine import PROMPT, PROMPT_BLOCKS, assert_no_leaks  # noqa: E402
 from tests.integrations.scheduler.test_vllm_sync_loads import (  # noqa: E402
     _evicted,
     _rig,
     _spy_expedited,
     _steps_until_scheduled,
 )
+from tests.integrations.test_vllm_engine import PROMPT, PROMPT_BLOCKS, assert_no_leaks  # noqa: E402
 from tests.integrations.vllm_rig import VLLMRig  # noqa: E402
 
 
