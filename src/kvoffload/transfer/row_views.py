@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import operator
 import threading
+from typing import cast
 
 import numpy as np
 import torch
@@ -63,7 +64,7 @@ class RowViews:
         missing = chunks[~self._viewed[chunks]]
         if missing.size:
             self._view_chunks(missing)
-        return _pick(self._rows, idx)  # type: ignore[arg-type]  # filled above
+        return _pick(cast("list[torch.Tensor]", self._rows), idx)  # filled above
 
     def _view_chunks(self, chunks: np.ndarray) -> None:
         with self._lock, torch.inference_mode(False):
