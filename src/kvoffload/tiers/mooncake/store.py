@@ -40,11 +40,9 @@ import logging
 import re
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
-from kvoffload.tiers.alarm import FailingAlarm
 from kvoffload.tiers.mooncake.client import (
     NO_SPACE,
     OBJECT_NOT_FOUND,
@@ -57,6 +55,7 @@ from kvoffload.tiers.mooncake.client import (
 )
 from kvoffload.tiers.mooncake.presence import LOST_HOLD_S, LostKeys
 from kvoffload.tiers.mooncake.probe import PROBE_INTERVAL_S, Breaker
+from kvoffload.tiers.mooncake.stats import MooncakeStoreStats, refusal_alarm
 from kvoffload.tiers.mooncake.values import (
     HEADER_BYTES,
     checksum,
@@ -70,36 +69,6 @@ logger = logging.getLogger(__name__)
 
 #: A key no engine stores, asked by the breaker's probe.
 _PROBE_KEY = "kvo/probe"
-
-
-@dataclass
-class MooncakeStoreStats:
-    blocks_written: int = 0
-    blocks_read: int = 0
-    store_failures: int = 0
-    misses: int = 0
-    corrupt_values: int = 0
-    #: Puts the store refused for want of room (no segment, or every one full).
-    refused_stores: int = 0
-    #: Reads whose holder did not answer (-800): removed, held absent a while.
-    lost_blocks: int = 0
-    upserts: int = 0
-    #: Always 0 (Mooncake values have no type); named as the Redis store's stats name it.
-    poisoned_keys: int = 0
-    outages: int = 0
-    calls_skipped: int = 0
-
-
-def _refusal_alarm(shown: str) -> FailingAlarm:
-    return FailingAlarm(
-        logger,
-        ("count",),
-        failing="Mooncake tier at {url} refuses stores ({err}); they fail and are counted until "
-        "it accepts them again (mount more segment memory, or lower the eviction watermark)",
-        recovered="Mooncake tier at {url} accepts stores again ({count} were refused meanwhile)",
-        closed="Mooncake tier at {url}: closed while it refused stores ({count} refused)",
-        url=shown,
-    )
 
 
 class MooncakeBlockStore:
@@ -144,7 +113,7 @@ class MooncakeBlockStore:
         self.ownership = "mooncake:" + self.prefix[len("kvo/") : -1].replace("/", ":")
         self._stats = MooncakeStoreStats()
         self._stats_lock = threading.Lock()
-        self._refusals = _refusal_alarm(self.shown_url)
+        self._refusals = refusal_alarm(self.shown_url)
         self.lost = LostKeys(lost_hold_s)
         self._rewrite: set[str] = set()  # keys whose stored value was bad: upsert next time
         self._registered: list[int] = []
