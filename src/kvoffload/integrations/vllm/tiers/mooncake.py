@@ -29,32 +29,22 @@ The breaker is the store's (``kvoffload.tiers.mooncake.probe``).
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvoffload.integrations.vllm.tiers.base import KVOffloadTierBase, logger
+from kvoffload.integrations.vllm.tiers.base import logger
 from kvoffload.integrations.vllm.tiers.io_threads import IOJob
-from kvoffload.integrations.vllm.tiers.keys import COMMON_KEYS, split_keys
-from kvoffload.integrations.vllm.tiers.redis import (
-    DEFAULT_THREADS,
-    KVOffloadRedisTier,
-    PresenceChecks,
-    _seconds,
-)
-from kvoffload.tiers.config import TierConfigError
+from kvoffload.integrations.vllm.tiers.keys import COMMON_KEYS
+from kvoffload.integrations.vllm.tiers.redis import KVOffloadRedisTier, _seconds
+from kvoffload.tiers.config import TierConfig, TierConfigError
 from kvoffload.tiers.identity import parse_fingerprint
 from kvoffload.tiers.mooncake.client import MooncakeUnavailable
 from kvoffload.tiers.mooncake.probe import PROBE_INTERVAL_S
 from kvoffload.tiers.mooncake.settings import KEYS as MOONCAKE_KEYS
 from kvoffload.tiers.mooncake.store import HEADER_BYTES, MooncakeBlockStore
-
-if TYPE_CHECKING:
-    from vllm.v1.kv_offload.base import OffloadingSpec
-    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
 MOONCAKE_TIER_KEYS: tuple[str, ...] = (*MOONCAKE_KEYS, "num_threads", "enable_events")
 MOONCAKE_OWN_KEYS: tuple[str, ...] = (*COMMON_KEYS, "probe_interval_s")
@@ -67,22 +57,11 @@ class KVOffloadMooncakeTier(KVOffloadRedisTier):
     #: Mooncake Store is a remote store ("external_unspecified"), as the Redis tier says.
     cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
 
-    def __init__(
-        self,
-        offloading_spec: OffloadingSpec,
-        primary_kv_view: memoryview,
-        tier_type: str,
-        backpressure_detector: BackpressureDetector | None = None,
-        **keys: Any,
-    ) -> None:
-        config, own = split_keys(tier_type, keys, MOONCAKE_TIER_KEYS, MOONCAKE_OWN_KEYS)
-        if "num_threads" not in keys:
-            config = config.replace(num_threads=DEFAULT_THREADS)
-        where = f"secondary_tiers[{tier_type}]"
+    TIER_KEYS: ClassVar[tuple[str, ...]] = MOONCAKE_TIER_KEYS
+    OWN_KEYS: ClassVar[tuple[str, ...]] = MOONCAKE_OWN_KEYS
+
+    def _open_store(self, where: str, config: TierConfig, own: Mapping[str, Any]) -> None:
         probe_s = _seconds(where, "probe_interval_s", own.get("probe_interval_s", PROBE_INTERVAL_S))
-        KVOffloadTierBase.__init__(
-            self, offloading_spec, primary_kv_view, tier_type, backpressure_detector, config, own
-        )
         assert config.mooncake_url is not None
         try:
             self.mc = MooncakeBlockStore(
@@ -101,15 +80,9 @@ class KVOffloadMooncakeTier(KVOffloadRedisTier):
             self.store = self.mc  # type: ignore[assignment]
             self._register_rows()
         except (ValueError, MooncakeUnavailable) as exc:
-            KVOffloadTierBase.shutdown(self)  # closes the store if it was opened
+            # The shared constructor closes the store if it was opened.
             raise TierConfigError(f"{where}['mooncake_url']: {exc}") from None
-        except BaseException:
-            KVOffloadTierBase.shutdown(self)
-            raise
-        self.event_ownership = self.mc.ownership
-        self.checks = PresenceChecks(f"kvoffload-{tier_type}", self.store.contains_many)
-        self._announced = OrderedDict()
-        self._bad_seen = 0
+        self._watch_store(self.mc.ownership)
         logger.info(
             "kvoffload Mooncake tier %s: %s, namespace %s (prefix %s), %s bytes contributed",
             self.label,

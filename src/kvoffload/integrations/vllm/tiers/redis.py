@@ -268,10 +268,7 @@ class KVOffloadRedisTier(KVOffloadStoreTier):
             )
         except ValueError as exc:
             raise TierConfigError(f"{where}['redis_url']: {exc}") from None
-        self.event_ownership = self.store.ownership  # instances sharing it share this id
-        self.checks = PresenceChecks(f"kvoffload-{self.tier_type}", self.store.contains_many)
-        self._announced: OrderedDict[OffloadKey, None] = OrderedDict()
-        self._bad_seen = 0
+        self._watch_store(self.store.ownership)
         logger.info(
             "kvoffload Redis tier %s: %s, namespace %s (prefix %s), %s",
             self.label,
@@ -280,6 +277,13 @@ class KVOffloadRedisTier(KVOffloadStoreTier):
             self.store.prefix.decode(errors="replace"),
             "reachable" if self.store.available else "unreachable: starting in an outage",
         )
+
+    def _watch_store(self, ownership: str) -> None:
+        """After ``store`` opened: its presence checks, announced keys and event ownership."""
+        self.event_ownership = ownership  # instances sharing the store share this id
+        self.checks = PresenceChecks(f"kvoffload-{self.tier_type}", self.store.contains_many)
+        self._announced: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._bad_seen = 0
 
     # -- lookups -----------------------------------------------------------------------
 
