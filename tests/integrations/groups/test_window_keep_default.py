@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -31,55 +31,16 @@ from kvoffload.integrations.vllm.scheduler.class_managers import ClassedCPUManag
 from kvoffload.integrations.vllm.settings import KVOffloadConfigError
 from kvoffload.offload import CPUOffloadingManager
 from kvoffload.offload.chunk_units import GroupLayout
+from tests.integrations.groups.window_stand import TPC, window_mask
+from tests.integrations.groups.window_stand import Stand as WindowStand
 
-TPC = 32
 WINDOW = 48  # tokens: a hit needs the 2 chunks before its boundary
 LAYOUT = [GroupLayout(tokens_per_chunk=TPC), GroupLayout("sliding_window", WINDOW, TPC)]
 
 
 @dataclass
-class Group:
-    group_idx: int
-    kv_cache_spec: Any
-    tokens_per_chunk: int = TPC
-
-
-def _window_mask(start: int, end: int, boundaries: tuple[int, ...]) -> list[bool]:
-    """vLLM's sliding-window mask at one block per chunk: the chunks before each boundary."""
-    need = -(-WINDOW // TPC)
-    keep = {c for b in boundaries for c in range(b // TPC - need, b // TPC)}
-    return [i in keep for i in range(start, end)]
-
-
-@dataclass
-class Stand:
-    """What ``window_keep`` reads of vLLM's ``OffloadingConnectorScheduler``."""
-
-    manager: Any = None
-    stored: set[bytes] = field(default_factory=set)
-    _full_attention_groups: tuple[int, ...] = (0,)
-    _sliding_window_groups: tuple[int, ...] = (1,)
-
-    def __post_init__(self) -> None:
-        self.config = SimpleNamespace(
-            alignment_tokens=TPC,
-            blocks_per_chunk=1,
-            kv_group_configs=[
-                Group(0, SimpleNamespace()),
-                Group(1, SimpleNamespace(sliding_window=WINDOW)),
-            ],
-        )
-
-    def _maximal_prefix_lookup(self, keys, req_context, req, group_config, start) -> int:
-        hit = 0
-        for key in keys:
-            if key not in self.stored:
-                break
-            hit += 1
-        return hit
-
-    def _reachable_store_block_mask(self, group_config, start, end, final, boundaries):
-        return None if group_config.group_idx == 0 else _window_mask(start, end, boundaries)
+class Stand(WindowStand):
+    window: int = WINDOW
 
 
 def _units_tier() -> Any:
@@ -173,6 +134,6 @@ def test_a_store_mask_is_always_a_superset_of_vllms() -> None:
         )
         sw = sched.config.kv_group_configs[1]
         got = sched._reachable_store_block_mask(sw, start, n, None, base_bounds)
-        base = _window_mask(start, n, base_bounds)
+        base = window_mask(start, n, base_bounds, WINDOW)
         assert got is not None and len(got) == len(base)
         assert all(g or not b for g, b in zip(got, base))

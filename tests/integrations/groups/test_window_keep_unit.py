@@ -1,15 +1,13 @@
 """``window_keep``'s decisions against a stand-in scheduler (no vLLM needed).
 
-The stand-in has what ``WindowKeep`` reads of vLLM's ``OffloadingConnectorScheduler``:
-``config.alignment_tokens`` / ``blocks_per_chunk`` / ``kv_group_configs``,
-``_full_attention_groups``, ``_maximal_prefix_lookup`` and
-``_reachable_store_block_mask``. Its mask keeps, as vLLM's sliding-window manager
-does with one-block windows, the block before each reachable boundary.
+The stand-in (``window_stand.Stand``) has what ``WindowKeep`` reads of vLLM's
+``OffloadingConnectorScheduler``; here its window is one chunk, so its mask keeps, as
+vLLM's sliding-window manager does with one-block windows, the block before each
+reachable boundary.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,48 +15,7 @@ import pytest
 
 from kvoffload.integrations.vllm.groups.window_keep import WindowKeep, WindowKeepConfig
 from kvoffload.integrations.vllm.settings import KVOffloadConfigError
-
-TPC = 32  # tokens per chunk (one block per chunk)
-
-
-@dataclass
-class Group:
-    group_idx: int
-    kv_cache_spec: Any
-    tokens_per_chunk: int = TPC
-
-
-@dataclass
-class Stand:
-    """A scheduler with one full-attention group (0) and one sliding-window group (1)."""
-
-    stored: set[bytes] = field(default_factory=set)
-    config: Any = None
-    _full_attention_groups: tuple[int, ...] = (0,)
-
-    def __post_init__(self) -> None:
-        self.config = SimpleNamespace(
-            alignment_tokens=TPC,
-            blocks_per_chunk=1,
-            kv_group_configs=[
-                Group(0, SimpleNamespace()),
-                Group(1, SimpleNamespace(sliding_window=TPC)),
-            ],
-        )
-
-    def _maximal_prefix_lookup(self, keys, req_context, req, group_config, start) -> int:
-        hit = 0
-        for key in keys:
-            if key not in self.stored:
-                break
-            hit += 1
-        return hit
-
-    def _reachable_store_block_mask(self, group_config, start, end, final, boundaries):
-        if group_config.group_idx == 0:
-            return None  # full attention: dense
-        keep = {b // TPC - 1 for b in boundaries}
-        return [i in keep for i in range(start, end)]
+from tests.integrations.groups.window_stand import Stand
 
 
 def keys(prefix: str, n: int) -> list[bytes]:
