@@ -87,7 +87,7 @@ class Junctions:
             self._ids.popitem(last=False)
 
 
-def boundaries(
+def windowed_store(
     rule: StoreRule,
     prompt: Sequence[int],
     hit: int,
@@ -95,8 +95,11 @@ def boundaries(
     tokens_per_chunk: int,
     junctions: Junctions,
 ) -> list[int]:
-    """Chunk boundaries whose ``window``-chunk tail the store of ``prompt`` from ``hit`` keeps."""
+    """Chunk indices in ``[hit, n)`` of a ``window``-chunk group that the store offers: the
+    ``window``-chunk tail of each chunk boundary the rule keeps."""
     n = len(prompt)
+    if rule.kind == "dense":
+        return list(range(hit, n))
     last = (n * tokens_per_chunk - 1) // tokens_per_chunk  # vLLM's replay boundary
     found = {last}
     if rule.kind == "windows":
@@ -108,23 +111,8 @@ def boundaries(
             while b <= hi:
                 found.add(b)
                 b += rule.every
-    return sorted(found)
-
-
-def windowed_store(
-    rule: StoreRule,
-    prompt: Sequence[int],
-    hit: int,
-    window: int,
-    tokens_per_chunk: int,
-    junctions: Junctions,
-) -> list[int]:
-    """Chunk indices in ``[hit, n)`` of a ``window``-chunk group that the store offers."""
-    n = len(prompt)
-    if rule.kind == "dense":
-        return list(range(hit, n))
     keep = [False] * n
-    for b in boundaries(rule, prompt, hit, window, tokens_per_chunk, junctions):
+    for b in found:
         for c in range(max(hit, b - window), min(n, b)):
             keep[c] = True
     return [c for c in range(hit, n) if keep[c]]
