@@ -333,7 +333,10 @@ class ThreadPoolTransferHandler(TransferHandler):
             for job_id in ids:
                 with self._cond:
                     parts = list(self._unclaimed.get(job_id, ()))
-                for part in parts:
+                # Last shard first: a pool thread waking meanwhile takes the queue's front
+                # shard and finds it free, so the two copy at once (front first, the waiter
+                # would take the very shard the waking thread pops, then the next).
+                for part in reversed(parts):
                     self._run_claimed(part)
         self._release_held()
         with self._cond:
