@@ -140,7 +140,7 @@ class KVRouter(Router):
         self.weights = weights or TierWeights()
         self.load_weight = load_weight
         self.recent = RecentPrefixes(block_size, recent) if block_size else None
-        self._next = 0
+        self._rotation = RoundRobinRouter()  # where the scan for the least cost starts
 
     def sent(self, instance: int, token_ids: Sequence[int]) -> None:
         if self.recent is not None:
@@ -176,8 +176,7 @@ class KVRouter(Router):
         n = len(loads)
         if token_ids is not None:
             overlaps = self.with_recent(token_ids, overlaps, n)
-        start = self._next % n
-        self._next += 1
+        start = self._rotation.choose(n)
         order = [(start + k) % n for k in range(n)]  # round robin among equals
         return min(
             order,
