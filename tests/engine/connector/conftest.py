@@ -35,6 +35,24 @@ class Harness:
         self.conn.on_blocks_computed(req_id, blocks, hs, len(tokens))
         return blocks, hs
 
+    def offload(self, req_id: str, tokens: list[int]) -> list[BlockHash]:
+        """``compute`` a request, let its stores finish and free its GPU blocks: its full
+        blocks are then in the CPU tier (and still cached on the GPU) only."""
+        blocks, hs = self.compute(req_id, tokens)
+        self.finish_all()
+        self.pool.free_request_blocks(blocks)
+        return hs
+
+    def start_load(
+        self, req_id: str, hs: list[BlockHash], num_tokens: int, num_blocks: int
+    ) -> tuple[int, list[KVCacheBlock]]:
+        """A request with no GPU hit asks the connector, gets ``num_blocks`` GPU blocks and
+        the connector's loads are scheduled: (tokens the tier supplies, the GPU blocks)."""
+        n = self.conn.get_num_new_matched_tokens(req_id, hs, 0, num_tokens)
+        new = self.pool.get_new_blocks(num_blocks)
+        self.conn.update_state_after_alloc(req_id, new, n)
+        return n, new
+
     def finish_all(self, success: bool = True) -> tuple[set[str], set[str]]:
         meta = self.conn.build_connector_meta()
         results = [Result(j.job_id, success) for j in meta.loads + meta.stores]

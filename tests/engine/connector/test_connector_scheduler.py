@@ -29,18 +29,14 @@ def test_store_after_compute_holds_gpu_refs_until_done() -> None:
 def test_hit_then_load() -> None:
     h = Harness()
     prompt = tokens(4 * BS + 2)
-    blocks, hs = h.compute("a", prompt)
-    h.finish_all()
-    h.pool.free_request_blocks(blocks)
+    hs = h.offload("a", prompt)
     h.pool.get_new_blocks(h.pool.get_num_free_blocks())  # evict all of the GPU tier
     for b in h.pool.blocks[1:]:
         if b.ref_cnt:
             h.pool.free_blocks([b])
     assert h.pool.get_cached_block(hs[0]) is None
-    n = h.conn.get_num_new_matched_tokens("b", hs, 0, len(prompt))
+    n, new = h.start_load("b", hs, len(prompt), 5)
     assert n == 4 * BS
-    new = h.pool.get_new_blocks(5)
-    h.conn.update_state_after_alloc("b", new, n)
     assert h.conn.is_loading("b")
     (load,) = h.conn.build_connector_meta().loads
     assert list(load.dst.block_ids) == [b.block_id for b in new[:4]]
@@ -58,9 +54,7 @@ def test_block_of_the_last_prompt_token_is_loaded_and_only_that_token_recomputed
     """vLLM 0.33: the offloaded block holding the last prompt token is loaded too."""
     h = Harness()
     prompt = tokens(2 * BS)
-    blocks, hs = h.compute("a", prompt)
-    h.finish_all()
-    h.pool.free_request_blocks(blocks)
+    hs = h.offload("a", prompt)
     # the whole prompt is two full blocks: both load, the engine recomputes 1 token
     n = h.conn.get_num_new_matched_tokens("b", hs, 0, len(prompt))
     assert n == len(prompt) - 1
@@ -123,12 +117,8 @@ def test_partial_hit_after_gpu_prefix() -> None:
 def test_failed_load_is_reported_and_releases_everything() -> None:
     h = Harness()
     prompt = tokens(3 * BS)
-    blocks, hs = h.compute("a", prompt)
-    h.finish_all()
-    h.pool.free_request_blocks(blocks)
-    n = h.conn.get_num_new_matched_tokens("b", hs, 0, len(prompt))
-    new = h.pool.get_new_blocks(3)
-    h.conn.update_state_after_alloc("b", new, n)
+    hs = h.offload("a", prompt)
+    _n, new = h.start_load("b", hs, len(prompt), 3)
     loaded, failed = h.finish_all(success=False)
     assert failed == {"b"} and loaded == set()
     h.pool.free_request_blocks(new)
@@ -150,12 +140,8 @@ def test_failed_store_leaves_keys_unknown() -> None:
 def test_abort_mid_load_keeps_blocks_until_copy_settles() -> None:
     h = Harness()
     prompt = tokens(3 * BS)
-    blocks, hs = h.compute("a", prompt)
-    h.finish_all()
-    h.pool.free_request_blocks(blocks)
-    n = h.conn.get_num_new_matched_tokens("b", hs, 0, len(prompt))
-    new = h.pool.get_new_blocks(3)
-    h.conn.update_state_after_alloc("b", new, n)
+    hs = h.offload("a", prompt)
+    _n, new = h.start_load("b", hs, len(prompt), 3)
     meta = h.conn.build_connector_meta()
     # the engine aborts b: frees its blocks, forgets it
     h.conn.request_finished("b")
