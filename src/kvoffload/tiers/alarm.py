@@ -79,3 +79,20 @@ class FailingAlarm:
                 return
             counts = dict(self._counts)
         self._log.warning(self._templates[2].format(**self._context, **counts))
+
+
+def refusal_alarm(log: logging.Logger, tier: str, url: str, advice: str) -> FailingAlarm:
+    """A remote store's alarm (``tier``: "Redis", "Mooncake"): one warning when the store at
+    ``url`` starts refusing puts (with ``advice``: what makes room), one with the count of
+    refused puts when it accepts them again."""
+    return FailingAlarm(
+        log,
+        ("count",),
+        failing="{tier} tier at {url} refuses stores ({err}); they fail and are counted until "
+        "it accepts them again ({advice})",
+        recovered="{tier} tier at {url} accepts stores again ({count} were refused meanwhile)",
+        closed="{tier} tier at {url}: closed while it refused stores ({count} refused)",
+        tier=tier,
+        url=url,
+        advice=advice,
+    )

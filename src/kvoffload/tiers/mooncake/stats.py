@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from kvoffload.tiers import alarm
 from kvoffload.tiers.alarm import FailingAlarm
 
 logger = logging.getLogger("kvoffload.tiers.mooncake.store")
@@ -29,12 +30,9 @@ class MooncakeStoreStats:
 
 
 def refusal_alarm(shown: str) -> FailingAlarm:
-    return FailingAlarm(
+    return alarm.refusal_alarm(
         logger,
-        ("count",),
-        failing="Mooncake tier at {url} refuses stores ({err}); they fail and are counted until "
-        "it accepts them again (mount more segment memory, or lower the eviction watermark)",
-        recovered="Mooncake tier at {url} accepts stores again ({count} were refused meanwhile)",
-        closed="Mooncake tier at {url}: closed while it refused stores ({count} refused)",
-        url=shown,
+        "Mooncake",
+        shown,
+        "mount more segment memory, or lower the eviction watermark",
     )

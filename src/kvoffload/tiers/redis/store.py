@@ -57,7 +57,7 @@ import numpy as np
 import redis
 import xxhash
 
-from kvoffload.tiers.alarm import FailingAlarm
+from kvoffload.tiers.alarm import refusal_alarm
 from kvoffload.tiers.redis.links import DOWN, ClusterLinks, Links, StandaloneLinks
 from kvoffload.tiers.redis.urls import is_cluster_url, normalize_url, redact_url
 from kvoffload.transfer.block_buffers import BlockBuffers, as_block_views
@@ -117,19 +117,6 @@ def _checksum(key: bytes, payload: Any) -> int:
     h.update(key)
     h.update(payload)
     return h.intdigest()
-
-
-def _refusal_alarm(shown_url: str) -> FailingAlarm:
-    """One warning when the server starts refusing stores, one (with the count) when it stops."""
-    return FailingAlarm(
-        logger,
-        ("count",),
-        failing="Redis tier at {url} refuses stores ({err}); they fail and are counted until "
-        "it accepts them again (maxmemory, maxmemory-policy)",
-        recovered="Redis tier at {url} accepts stores again ({count} were refused meanwhile)",
-        closed="Redis tier at {url}: closed while it refused stores ({count} refused)",
-        url=shown_url,
-    )
 
 
 def _is_wrongtype(reply: Any) -> bool:
@@ -196,7 +183,9 @@ class RedisBlockStore:
         self._chunk = max(1, max_batch_bytes // self.value_bytes)
         self._stats = RedisStoreStats()
         self._stats_lock = threading.Lock()
-        self._refusals = _refusal_alarm(self.shown_url)
+        self._refusals = refusal_alarm(
+            logger, "Redis", self.shown_url, "maxmemory, maxmemory-policy"
+        )
         self.is_cluster = is_cluster_url(self.url)
         links_cls = ClusterLinks if self.is_cluster else StandaloneLinks
         try:
