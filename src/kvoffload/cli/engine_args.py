@@ -16,6 +16,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from kvoffload.cli import argtypes
 from kvoffload.engine.config import KV_LAYOUTS, STORE_MODES, EngineConfig
 from kvoffload.offload.policies import policy_menu
+from kvoffload.tiers.config import MOONCAKE_KEYS
 
 # Kept for callers that import them from here; the checks live in argtypes.
 positive_int = argtypes.positive_int()
@@ -247,12 +248,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: object) -> En
             "num_disk_blocks",
             "disk_bytes",
             "redis_url",
-            "mooncake_url",
-            "mooncake_namespace",
-            "mooncake_metadata",
-            "mooncake_protocol",
-            "mooncake_segment_bytes",
-            "mooncake_local_buffer_bytes",
+            *MOONCAKE_KEYS,
             "write_through",
             "events_endpoint",
             "events_replay_endpoint",

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvoffload.tiers.config import MOONCAKE_KEYS
 from kvoffload.tiers.mooncake.client import (
     SCHEME,
     check_metadata,
@@ -23,14 +24,8 @@ from kvoffload.tiers.mooncake.client import (
     parse_master_url,
 )
 
-KEYS: tuple[str, ...] = (
-    "mooncake_url",
-    "mooncake_namespace",
-    "mooncake_metadata",
-    "mooncake_protocol",
-    "mooncake_segment_bytes",
-    "mooncake_local_buffer_bytes",
-)
+#: The keys ``check`` reads (``TierConfig``'s own list of them).
+KEYS: tuple[str, ...] = MOONCAKE_KEYS
 DEFAULTS: dict[str, Any] = {
     "mooncake_namespace": "kvoffload",
     "mooncake_metadata": "P2PHANDSHAKE",
