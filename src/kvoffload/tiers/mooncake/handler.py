@@ -14,6 +14,7 @@ block moved; the handler decides nothing about what to store or load.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,9 @@ from kvoffload.tiers.lower_tier import REMOTE_MEDIUM, RemoteLoadStoreSpec
 from kvoffload.tiers.mooncake.store import HEADER_BYTES, MooncakeBlockStore
 from kvoffload.tiers.slot_io import SlotTierHandler, check_pair
 from kvoffload.transfer.host_pool import HostPool
+
+#: ``MooncakeBlockStore.put_views`` / ``get_views``: keys, payload views, header rows.
+MoveViews = Callable[[Sequence[bytes], Sequence[np.ndarray], Sequence[np.ndarray]], list[bool]]
 
 
 class MooncakeTransferHandler(SlotTierHandler):
@@ -57,26 +61,27 @@ class MooncakeTransferHandler(SlotTierHandler):
         """CPU slots -> Mooncake; per block, whether the store accepted it."""
         if self._headers is None:
             return self._write_staged(src, dst)
-        check_pair(src, dst)
-        if not len(dst):
-            return []
-        views = self.slots.views(src.block_ids)
-        assert views is not None
-        headers = [self._headers[int(s)] for s in src.block_ids]
-        return self.store.put_views(dst.keys, views, headers)
+        return self._in_place(src, dst, dst.keys, src.block_ids, self.store.put_views)
 
     def read(self, src: Any, dst: Any) -> list[bool]:
         """Mooncake -> CPU slots; per block, whether it is a verified hit (a miss leaves
         garbage in its slot: not to be used)."""
         if self._headers is None:
             return self._read_staged(src, dst)
+        return self._in_place(src, dst, src.keys, dst.block_ids, self.store.get_views)
+
+    def _in_place(
+        self, src: Any, dst: Any, keys: Sequence[bytes], slot_ids: Any, call: MoveViews
+    ) -> list[bool]:
+        """``call`` (``put_views`` / ``get_views``) on ``keys`` and their slots, each block
+        with its slot's header row."""
         check_pair(src, dst)
-        if not len(src):
+        if not len(dst):
             return []
-        views = self.slots.views(dst.block_ids)
-        assert views is not None
-        headers = [self._headers[int(s)] for s in dst.block_ids]
-        return self.store.get_views(src.keys, views, headers)
+        views = self.slots.views(slot_ids)
+        assert views is not None and self._headers is not None
+        headers = [self._headers[int(s)] for s in slot_ids]
+        return call(keys, views, headers)
 
     def _write_staged(self, src: Any, dst: Any) -> list[bool]:
         if self.store.protocol != "tcp":
