@@ -279,30 +279,31 @@ def steps(traces: Sequence[SuiteTrace], candidates: int) -> int:
 # -- summaries ---------------------------------------------------------------------------
 
 
+def _worst_by(
+    points: Sequence[Point], candidates: Sequence[str], group: Callable[[Point], str]
+) -> dict[str, dict[str, float]]:
+    """group -> candidate -> its worst delta (points) over the group's points."""
+    out: dict[str, dict[str, float]] = {}
+    for pt in points:
+        worst = out.setdefault(group(pt), {})
+        for c in candidates:
+            d = pt.delta(c)
+            worst[c] = min(worst.get(c, d), d)
+    return out
+
+
 def worst_by_family(
     points: Sequence[Point], candidates: Sequence[str]
 ) -> dict[str, dict[str, float]]:
     """family -> candidate -> its worst delta (points) over the family's traces and sizes."""
-    out: dict[str, dict[str, float]] = {}
-    for pt in points:
-        fam = out.setdefault(pt.family, {})
-        for c in candidates:
-            d = pt.delta(c)
-            fam[c] = min(fam.get(c, d), d)
-    return out
+    return _worst_by(points, candidates, lambda pt: pt.family)
 
 
 def worst_by_trace(
     points: Sequence[Point], candidates: Sequence[str]
 ) -> dict[str, dict[str, float]]:
     """trace -> candidate -> its worst delta over the trace's sizes."""
-    out: dict[str, dict[str, float]] = {}
-    for pt in points:
-        tr = out.setdefault(pt.trace, {})
-        for c in candidates:
-            d = pt.delta(c)
-            tr[c] = min(tr.get(c, d), d)
-    return out
+    return _worst_by(points, candidates, lambda pt: pt.trace)
 
 
 @dataclass(frozen=True)
