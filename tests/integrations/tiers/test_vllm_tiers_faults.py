@@ -25,7 +25,7 @@ from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 import redis  # noqa: E402
-from vllm.v1.kv_offload.base import LookupResult  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey  # noqa: E402
 
 from kvoffload.tiers.config import TierConfigError  # noqa: E402
 from tests.conftest_redis import (  # noqa: E402, F401  (fixtures)
@@ -79,6 +79,14 @@ def evict_from_cpu(rig: TierRig, tag: bytes, n: int = 16) -> None:
     rig.settle()
 
 
+def in_lower_tier(rig: TierRig, tag: bytes) -> list[OffloadKey]:
+    """``N`` keys offloaded (cascaded to the lower tiers), then pushed out of the CPU tier."""
+    keys = keys_of(N, tag=tag)
+    rig.store(keys)
+    evict_from_cpu(rig, b"filler")
+    return keys
+
+
 # -- configuration -------------------------------------------------------------------------
 
 
@@ -127,9 +135,7 @@ def test_a_corrupt_disk_block_is_a_failed_key_then_a_miss(tmp_path: Path) -> Non
     try:
         (tier,) = rig.tiers
         log = ThreadLog(tier.store, ("put", "get_into"))
-        keys = keys_of(N, tag=b"corrupt")
-        rig.store(keys)
-        evict_from_cpu(rig, b"filler")
+        keys = in_lower_tier(rig, b"corrupt")
         # Flip bytes of the third block in its slab (as a bad sector or a stray write would).
         slot = tier.manager.slot_of(keys[2])
         f, local = divmod(slot, tier.store.blocks_per_file)
@@ -154,9 +160,7 @@ def test_a_disk_block_evicted_between_lookup_and_load_is_a_failed_key(tmp_path: 
     rig = TierRig([disk_tier(tmp_path / "kv")])
     try:
         (tier,) = rig.tiers
-        keys = keys_of(N, tag=b"vanish")
-        rig.store(keys)
-        evict_from_cpu(rig, b"filler")
+        keys = in_lower_tier(rig, b"vanish")
         ctx = rig.new_request()
         assert [rig.lookup(k, ctx) for k in keys] == [LookupResult.HIT_PENDING] * N
         # Before the promotion is submitted (end of step), the tier loses the block.
@@ -286,9 +290,7 @@ def test_a_redis_block_deleted_between_lookup_and_load_is_a_failed_key(
     rig = TierRig([redis_tier(redis_server.url)])
     try:
         (tier,) = rig.tiers
-        keys = keys_of(N, tag=b"lru")
-        rig.store(keys)
-        evict_from_cpu(rig, b"filler")
+        keys = in_lower_tier(rig, b"lru")
         ctx = rig.new_request()
         assert rig.prefix_lookup(keys, ctx) is None  # RETRY: presence asked off-thread
         rig.step()
@@ -314,9 +316,7 @@ def test_a_corrupt_redis_value_is_never_served(redis_server: RedisServer) -> Non
     rig = TierRig([redis_tier(redis_server.url)])
     try:
         (tier,) = rig.tiers
-        keys = keys_of(N, tag=b"rcorrupt")
-        rig.store(keys)
-        evict_from_cpu(rig, b"filler")
+        keys = in_lower_tier(rig, b"rcorrupt")
         client = redis.Redis.from_url(redis_server.url)
         rkey = tier.store.redis_key(keys[0])
         value = bytearray(client.get(rkey))
@@ -410,9 +410,7 @@ def test_a_silent_redis_at_start_up_is_an_outage_not_an_error(
         (tier,) = rig.tiers
         log = ThreadLog(tier.store, ("put", "get_into", "contains_many"))
         tier.checks._exists = tier.store.contains_many
-        keys = keys_of(N, tag=b"silent")
-        rig.store(keys)
-        evict_from_cpu(rig, b"filler")
+        keys = in_lower_tier(rig, b"silent")
         assert rig.fetch(keys)[0] == 0
         assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 1
         assert log.on_main_thread() == []
@@ -466,9 +464,7 @@ def test_a_redis_cluster_seed_list_serves_blocks(redis_cluster: Any) -> None:  #
     try:
         (tier,) = rig.tiers
         assert tier.store.is_cluster
-        keys = keys_of(N, tag=b"cluster")
-        rig.store(keys)
-        evict_from_cpu(rig, b"filler")
+        keys = in_lower_tier(rig, b"cluster")
         hits, checks = rig.fetch(keys)
         assert hits == N and all(all(c) for c in checks)
         assert tier.checks.batches == 1
