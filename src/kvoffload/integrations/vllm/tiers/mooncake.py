@@ -41,10 +41,11 @@ from kvoffload.integrations.vllm.tiers.keys import COMMON_KEYS
 from kvoffload.integrations.vllm.tiers.redis import KVOffloadRedisTier, _seconds
 from kvoffload.tiers.config import TierConfig, TierConfigError
 from kvoffload.tiers.identity import parse_fingerprint
+from kvoffload.tiers.mooncake.build import open_store
 from kvoffload.tiers.mooncake.client import MooncakeUnavailable
 from kvoffload.tiers.mooncake.probe import PROBE_INTERVAL_S
 from kvoffload.tiers.mooncake.settings import KEYS as MOONCAKE_KEYS
-from kvoffload.tiers.mooncake.store import HEADER_BYTES, MooncakeBlockStore
+from kvoffload.tiers.mooncake.store import HEADER_BYTES
 
 MOONCAKE_TIER_KEYS: tuple[str, ...] = (*MOONCAKE_KEYS, "num_threads", "enable_events")
 MOONCAKE_OWN_KEYS: tuple[str, ...] = (*COMMON_KEYS, "probe_interval_s")
@@ -62,18 +63,12 @@ class KVOffloadMooncakeTier(KVOffloadRedisTier):
 
     def _open_store(self, where: str, config: TierConfig, own: Mapping[str, Any]) -> None:
         probe_s = _seconds(where, "probe_interval_s", own.get("probe_interval_s", PROBE_INTERVAL_S))
-        assert config.mooncake_url is not None
         try:
-            self.mc = MooncakeBlockStore(
-                config.mooncake_url,
-                config.mooncake_namespace,
+            self.mc = open_store(
+                config,
                 self.row_bytes,
-                geometry_fingerprint=self.identity,
-                hash_fn=parse_fingerprint(self.identity).get("hash_fn", ""),
-                metadata=config.mooncake_metadata,
-                protocol=config.mooncake_protocol,
-                segment_bytes=config.mooncake_segment_bytes,
-                local_buffer_bytes=config.mooncake_local_buffer_bytes,
+                self.identity,
+                parse_fingerprint(self.identity).get("hash_fn", ""),
                 probe_interval_s=max(probe_s, 1e-3),
             )
             # The Redis tier's code reads ``store``; this tier's own code reads ``mc``.

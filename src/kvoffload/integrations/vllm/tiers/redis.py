@@ -74,7 +74,7 @@ from kvoffload.integrations.vllm.tiers.metrics import (
 )
 from kvoffload.tiers.config import TierConfig, TierConfigError
 from kvoffload.tiers.identity import parse_fingerprint
-from kvoffload.tiers.redis.store import RedisBlockStore
+from kvoffload.tiers.redis.build import open_store
 
 if TYPE_CHECKING:
     pass
@@ -253,16 +253,12 @@ class KVOffloadRedisTier(KVOffloadStoreTier):
     def _open_store(self, where: str, config: TierConfig, own: Mapping[str, Any]) -> None:
         retry = _seconds(where, "retry_interval_s", own.get("retry_interval_s", 1.0))
         max_retry = _seconds(where, "max_retry_interval_s", own.get("max_retry_interval_s", 30.0))
-        assert config.redis_url is not None
         try:
-            self.store = RedisBlockStore(
-                config.redis_url,
-                config.redis_namespace,
+            self.store = open_store(
+                config,
                 self.row_bytes,
-                ttl_s=config.redis_ttl_s,
-                timeout_s=config.redis_timeout_s,
-                geometry_fingerprint=self.identity,
-                hash_fn=parse_fingerprint(self.identity).get("hash_fn", ""),
+                self.identity,
+                parse_fingerprint(self.identity).get("hash_fn", ""),
                 retry_interval_s=retry,
                 max_retry_interval_s=max_retry,
             )
