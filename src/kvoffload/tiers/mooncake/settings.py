@@ -13,10 +13,11 @@ engine uses one of them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from kvoffload.tiers.config import MOONCAKE_KEYS
+from kvoffload.tiers.config import MOONCAKE_KEYS, TierConfig
 from kvoffload.tiers.mooncake.client import (
     SCHEME,
     check_metadata,
@@ -26,12 +27,11 @@ from kvoffload.tiers.mooncake.client import (
 
 #: The keys ``check`` reads (``TierConfig``'s own list of them).
 KEYS: tuple[str, ...] = MOONCAKE_KEYS
+#: What ``check`` fills in for a key not given: ``TierConfig``'s defaults (no URL).
 DEFAULTS: dict[str, Any] = {
-    "mooncake_namespace": "kvoffload",
-    "mooncake_metadata": "P2PHANDSHAKE",
-    "mooncake_protocol": "tcp",
-    "mooncake_segment_bytes": 0,
-    "mooncake_local_buffer_bytes": 16 << 20,
+    f.name: f.default
+    for f in dataclasses.fields(TierConfig)
+    if f.name in KEYS and f.name != "mooncake_url"
 }
 
 
