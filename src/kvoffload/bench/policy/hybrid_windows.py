@@ -23,12 +23,15 @@ vLLM's ``reachable_block_mask`` at one block per chunk.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvoffload.integrations.vllm.groups.window_keep import JunctionSet
 from kvoffload.offload import OffloadKey
+
+#: Junction chunk ids remembered (window_keep's ``MAX_JUNCTIONS``).
+MAX_JUNCTIONS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -62,9 +65,26 @@ DENSE = StoreRule("dense")
 VLLM = StoreRule("vllm")
 
 
-#: Chunk ids (of the full-attention chain) after which prompts were seen to part: the
-#: plug-in's own bounded LRU of junctions (``window_keep.MAX_JUNCTIONS`` of them).
-Junctions = JunctionSet
+class Junctions:
+    """Chunk ids (of the full-attention chain) after which prompts were seen to part (LRU)."""
+
+    def __init__(self, capacity: int = MAX_JUNCTIONS) -> None:
+        self.capacity = capacity
+        self._ids: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __contains__(self, chunk: object) -> bool:
+        return chunk in self._ids
+
+    def add(self, chunk: int) -> None:
+        if chunk in self._ids:
+            self._ids.move_to_end(chunk)
+            return
+        self._ids[chunk] = None
+        if len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
 
 
 def windowed_store(

@@ -50,7 +50,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -162,16 +162,13 @@ class WindowKeepStats:
 
 
 class JunctionSet:
-    """A bounded set of full-attention offload keys at which prompts diverged (LRU order).
-
-    Keys are any hashable (offload keys here, chunk ids in ``bench hybrid``'s replay of
-    this rule)."""
+    """A bounded set of full-attention offload keys at which prompts diverged (LRU order)."""
 
     def __init__(self, capacity: int = MAX_JUNCTIONS) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self._keys: OrderedDict[Hashable, None] = OrderedDict()
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -179,7 +176,7 @@ class JunctionSet:
     def __contains__(self, key: object) -> bool:
         return key in self._keys
 
-    def add(self, key: Hashable) -> bool:
+    def add(self, key: bytes) -> bool:
         """Remember ``key`` (most recent); True if it was new."""
         if key in self._keys:
             self._keys.move_to_end(key)
