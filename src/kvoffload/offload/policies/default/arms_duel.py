@@ -82,22 +82,19 @@ class ArmsDuel(ArmsChainLRUPolicy):
         # behind them in the LRU arms' shadows, as the chain list anchors it (``_behind_prefix``).
         self._prefix: Sequence[OffloadKey] = ()
 
-    def fit_tier(self, resident: int) -> None:
-        """The real tier holds ``resident`` keys of this policy when full: from now on that
-        is this structure's capacity, and its shadows model a tier of that size (1 in
-        ``rate``), once it moves by more than 1/16.
+    def fit_shadows(self, resident: int) -> None:
+        """The real tier holds ``resident`` keys of this policy when full: the shadows model
+        a tier of that size (1 in ``rate``), resized once it moves by more than 1/16.
 
         A plain tier holds ``capacity`` (nothing changes). Under ``chunk_units`` this
         policy ranks chunks, each holding one to one-per-group slots, so the tier holds
-        fewer of them than its slot count. Sized by slots, the shadows judged a tier up
+        fewer of them than its capacity: shadows sized by the capacity judged a tier up
         to 1.7 times too large (4 groups, window 1,024, 5%), where ARC and second
-        sighting looked as good as admitting all, and ``admit`` saw free slots in a full
-        tier: the first sightings second sighting declines were stored all the same,
-        evicting kept chunks (2 groups, window 128, 5%: 35.75 -> 37.55 hit %)."""
-        if 16 * abs(resident - self.capacity) <= self.capacity:
-            return
-        self.capacity = resident
+        sighting looked as good as admitting all, and lost 5 points to plain LRU."""
         cap = max(1, resident // self.rate)
+        now = self.tiers[0].capacity
+        if 16 * abs(cap - now) <= now:
+            return
         for tier in self.tiers:
             tier.resize(cap)
         self._keep = 1.0 - 1.0 / (self.window * cap)

@@ -95,7 +95,7 @@ class PolicyDuel(CachePolicy):
         self._clock = 0  # keys offered or read
         self._last_switch = 0
         self._decided: set[OffloadKey] | None = None  # keys ``admit`` observed (ARC live)
-        # What the tier holds when full, smoothed (``ArmsDuel.fit_tier``): measured after
+        # What the tier holds when full, smoothed (``ArmsDuel.fit_shadows``): measured after
         # each store that had to evict.
         self._full = False
         self._resident = float(capacity)
@@ -152,7 +152,7 @@ class PolicyDuel(CachePolicy):
             size = int(resident)
             if 16 * abs(size - self.arc.capacity) > self.arc.capacity:
                 self.arc.retarget(size)
-            self.lru.fit_tier(size)
+            self.lru.fit_shadows(size)
 
     def access(self, keys: Sequence[OffloadKey]) -> None:
         self._clock += len(keys)
