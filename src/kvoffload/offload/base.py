@@ -335,15 +335,19 @@ def reassign_slots(
     Keeps the slots of ``slot_of`` and ``free`` disjoint; ``free`` must then
     hold at least ``len(new)`` slots. Returns (the new keys' slots, the
     victims' slots), each in key order; ``free`` is popped from its end.
+    The new keys take the popped slots in ascending order: the slots freed
+    together (one earlier store's, evicted together) are consecutive, and a
+    job whose slots run upwards in key order is a few slice copies where the
+    engine's block ids run upwards too (``transfer.copy_plan``), not one copy
+    per block.
     """
     victim_slots = list(map(slot_of.pop, victims))
     free.extend(victim_slots)
     cut = len(free) - len(new)
     if cut < 0:
         raise ValueError(f"{len(new)} new keys but only {len(free)} free slots")
-    # The slots free.pop() would give, in that order, without a Python loop per key.
-    slots = free[cut:]
-    slots.reverse()
+    # The slots free.pop() would give, without a Python loop per key.
+    slots = sorted(free[cut:])
     del free[cut:]
     slot_of.update(zip(new, slots))
     return slots, victim_slots
