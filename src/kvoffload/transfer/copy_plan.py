@@ -18,7 +18,11 @@ consecutive, so the rows are grouped first:
     (its loop is in C++). Best when runs are long or rows are big.
 ``dst_runs``
     runs of consecutive destination rows; each is one ``index_select`` from
-    the source straight into the destination slice (``out=``).
+    the source straight into the destination slice (``out=``). On one device
+    a fused multi-plane slice is strided, and ``index_select`` into it copies
+    element by element; with few runs (a job's CPU slots handed out
+    consecutively) each plane is gathered on its own instead, where
+    ``index_select`` moves whole rows by ``memcpy`` (``GroupPairs.plane_split``).
 ``src_runs``
     runs of consecutive source rows; each is one ``index_copy_`` of a source
     slice into the destination.
@@ -208,6 +212,7 @@ class GroupPairs:
         out.wide = out.narrow
         out.bytes_per_block = sum(b - a for _, a, b in spans)
         out._views = None
+        out.__dict__.pop("plane_split", None)
         return out
 
     def whole_planes(self, spans: Sequence[Span]) -> GroupPairs | None:
@@ -230,6 +235,23 @@ class GroupPairs:
         out.wide = [(s[p0:p1], d[p0:p1]) for s, d in self.wide]
         out.bytes_per_block = (p1 - p0) * self.row_bytes
         out._views = None
+        out.__dict__.pop("plane_split", None)
+        return out
+
+    @functools.cached_property
+    def plane_split(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The ``narrow`` groups cut into one single-plane group per plane, when they are
+        multi-plane, on one device, and each plane's rows lie back to back (so that a
+        plane's run of rows is one contiguous slice); else None."""
+        if self.src_device != self.dst_device or all(s.shape[0] == 1 for s, _ in self.narrow):
+            return None
+        out = []
+        for sg, dg in self.narrow:
+            for p in range(sg.shape[0]):
+                s, d = sg[p], dg[p]
+                if not (s.is_contiguous() and d.is_contiguous()):
+                    return None
+                out.append((sg[p : p + 1], dg[p : p + 1]))
         return out
 
     @property
@@ -253,17 +275,32 @@ def choose_strategy(pairs: RowPairs, groups: GroupPairs) -> str:
         return "runs"  # one slice copy per group: nothing is cheaper
     num_groups = len(groups.narrow)
     nbytes = pairs.num_rows * groups.bytes_per_block
-    strided = _STRIDED_GATHER_PENALTY if groups.narrow[0][0].shape[0] > 1 else 0.0
     costs = {
         "runs": len(pairs.run_starts) * num_groups * _RUN_COPY_CALL,
-        "dst_runs": len(pairs.dst_run_starts) * num_groups * _INDEX_CALL
-        + nbytes * strided * _PASS_SECONDS_PER_BYTE,
+        "dst_runs": _dst_runs_cost(pairs, groups)[0],
         "src_runs": len(pairs.src_run_starts) * num_groups * _INDEX_CALL
         + nbytes * _SCATTER_PENALTY * _PASS_SECONDS_PER_BYTE,
         "staged": num_groups * 2 * _INDEX_CALL
         + nbytes * (1 + _SCATTER_PENALTY) * _PASS_SECONDS_PER_BYTE,
     }
     return min(_ALLOWED[groups.cross_device], key=lambda s: costs[s])
+
+
+def _dst_runs_cost(
+    pairs: RowPairs, groups: GroupPairs
+) -> tuple[float, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The cost of ``dst_runs`` and the groups it copies: the fused ones, or one per
+    plane where that is cheaper (a call per plane per run against an element-wise
+    gather into strided slices)."""
+    runs = len(pairs.dst_run_starts)
+    fused = groups.narrow
+    strided = _STRIDED_GATHER_PENALTY if fused[0][0].shape[0] > 1 else 0.0
+    nbytes = pairs.num_rows * groups.bytes_per_block
+    cost = runs * len(fused) * _INDEX_CALL + nbytes * strided * _PASS_SECONDS_PER_BYTE
+    split = groups.plane_split if strided else None
+    if split is not None and runs * len(split) * _INDEX_CALL < cost:
+        return runs * len(split) * _INDEX_CALL, split
+    return cost, fused
 
 
 def _segments(starts: np.ndarray, n: int) -> list[tuple[int, int]]:
@@ -326,9 +363,10 @@ def copy_rows(
         _foreach_copy(dsts, srcs, non_blocking)
     elif strategy == "dst_runs":
         idx = _index_on(groups.src_device, s)
+        pieces = _dst_runs_cost(pairs, groups)[1] if cross is None else groups.narrow
         for a, b in _segments(pairs.dst_run_starts, n):
             d0, k = int(d[a]), b - a
-            for sg, dg in groups.narrow:
+            for sg, dg in pieces:
                 if cross is None:
                     _select(sg, idx[a:b], out=_rows(dg, d0, k))
                 else:
