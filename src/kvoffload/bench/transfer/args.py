@@ -41,7 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dtype", default="float16", help="KV dtype (default float16)")
     parser.add_argument(
-        "--pattern", choices=("random", "sequential"), default="random", help="block id pattern"
+        "--pattern",
+        choices=("random", "chains", "sequential"),
+        default="random",
+        help="block ids: random on both sides, chains (request chains of 16 GPU ids, CPU "
+        "slots in runs of 64), or sequential (default random)",
     )
     parser.add_argument(
         "--repeats",

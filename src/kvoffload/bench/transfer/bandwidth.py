@@ -8,8 +8,11 @@ machine the GPU tier lives on the device and the copies cross PCIe
 (host<->device); otherwise both tiers are host memory.
 
 Block ids are a random pick from pools 1/8 larger than the job, in random
-order on both sides (``--pattern random``): no side is one consecutive run,
-as after some churn in an engine. ``--pattern sequential`` gives the easy case.
+order on both sides (``--pattern random``): no side is one consecutive run.
+``--pattern chains`` is an engine after churn as the CPU tier and vLLM's block
+pool hand ids out (``child.block_ids``): GPU ids in request chains of 16, half
+of them reversed, CPU slots in runs of 64. ``--pattern sequential`` gives the
+easy case.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 
 from kvoffload.bench.transfer.args import DEFAULT_SIZES, QUICK_SIZES
 from kvoffload.bench.transfer.args import add_arguments as add_arguments  # re-exported
+from kvoffload.bench.transfer.child import block_ids
 from kvoffload.cli import argtypes
 from kvoffload.offload.base import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.transfer import (
@@ -163,17 +167,6 @@ def _pool_sizes(block_bytes: int, args: argparse.Namespace, buffer_bytes: int) -
     return pool, n
 
 
-def _block_ids(
-    pattern: str, pool: int, n: int, rng: np.random.Generator
-) -> tuple[np.ndarray, np.ndarray]:
-    """The ``n`` GPU block ids and CPU slots a job moves: the first ``n``, or drawn at random."""
-    if pattern == "sequential":
-        return np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64)
-    gpu_ids = rng.choice(pool, n, replace=False).astype(np.int64)
-    slots = rng.choice(pool, n, replace=False).astype(np.int64)
-    return gpu_ids, slots
-
-
 def measure(
     block_bytes: int,
     layout_kind: str,
@@ -192,7 +185,7 @@ def measure(
     host = HostPool(layout, pool, buffer=buffers.host)
     flat_host = buffers.host[:nbytes]
     worker = OffloadingWorker.for_cpu_tier(gpu, layout, host, num_threads=args.threads)
-    gpu_ids, slots = _block_ids(args.pattern, pool, n, rng)
+    gpu_ids, slots = block_ids(args.pattern, pool, n, rng)
     store = TransferSpec(GPULoadStoreSpec(gpu_ids), CPULoadStoreSpec(slots))
     load = TransferSpec(CPULoadStoreSpec(slots), GPULoadStoreSpec(gpu_ids))
     job_ids = iter(range(1, 1 << 30))

@@ -36,6 +36,52 @@ from kvoffload.transfer import (
 )
 from kvoffload.transfer.host_memory import host_buffer
 
+#: ``chains``: a request's blocks, allocated together, are this many consecutive GPU ids.
+CHAIN_BLOCKS = 16
+#: ``chains``: the CPU tier hands a job's slots out in runs of this many consecutive slots.
+SLOT_RUN = 64
+
+
+def block_ids(
+    pattern: str, pool: int, n: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``n`` GPU block ids and CPU slots, pairwise, that a job moves (ids below ``pool``).
+
+    ``sequential``: the first ``n`` on both sides. ``random``: drawn at random on
+    both sides, in random order (no side has runs but by chance). ``chains``: what
+    an engine after churn gives: the GPU ids are chains of ``CHAIN_BLOCKS``
+    consecutive ids (a request's blocks) at random places, half of them descending
+    (a request's blocks are freed tail first and come back reversed), and the slots
+    are runs of ``SLOT_RUN`` consecutive slots at random places (the CPU tier hands
+    a job's slots out ascending, from the runs its evictions freed).
+    """
+    if pattern == "sequential":
+        return np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64)
+    if pattern == "random":
+        gpu_ids = rng.choice(pool, n, replace=False).astype(np.int64)
+        return gpu_ids, rng.choice(pool, n, replace=False).astype(np.int64)
+    if pattern != "chains":
+        raise ValueError(f"unknown block id pattern {pattern!r}")
+    return _runs_of(CHAIN_BLOCKS, pool, n, rng, flip=True), _runs_of(SLOT_RUN, pool, n, rng)
+
+
+def _runs_of(
+    run: int, pool: int, n: int, rng: np.random.Generator, flip: bool = False
+) -> np.ndarray:
+    """``n`` distinct ids below ``pool`` as runs of ``run`` consecutive ids in random order
+    (the last may be shorter; shorter runs where the pool has no room for enough of
+    them), each run descending with probability 1/2 if ``flip``."""
+    run = max(1, min(run, n))
+    while run > 1 and pool // run < -(-n // run):  # a small pool: shorter runs fit
+        run //= 2
+    places, count = pool // run, -(-n // run)
+    starts = rng.choice(places, count, replace=False) * run
+    ids = (starts[:, None] + np.arange(run)[None, :]).astype(np.int64)
+    if flip:
+        backwards = rng.random(count) < 0.5
+        ids[backwards] = ids[backwards, ::-1]
+    return ids.reshape(-1)[:n]
+
 
 class Rig:
     """Both tiers, one worker and the two jobs of one setup."""
@@ -57,12 +103,7 @@ class Rig:
         gpu = layout.split_region(region)
         host = HostPool(layout, pool, buffer=self.host_flat)
         self.worker = OffloadingWorker.for_cpu_tier(gpu, layout, host, num_threads=c["threads"])
-        rng = np.random.default_rng(c["seed"])
-        if c["pattern"] == "sequential":
-            gpu_ids = slots = np.arange(n, dtype=np.int64)
-        else:
-            gpu_ids = rng.choice(pool, n, replace=False).astype(np.int64)
-            slots = rng.choice(pool, n, replace=False).astype(np.int64)
+        gpu_ids, slots = block_ids(c["pattern"], pool, n, np.random.default_rng(c["seed"]))
         spec, gpu_spec, cpu_spec = TransferSpec, GPULoadStoreSpec, CPULoadStoreSpec
         self.store = spec(gpu_spec(gpu_ids), cpu_spec(slots))
         self.load = spec(cpu_spec(slots), gpu_spec(gpu_ids))
