@@ -29,7 +29,7 @@ import torch
 
 from kvoffload.bench.transfer.args import DEFAULT_SIZES, QUICK_SIZES
 from kvoffload.bench.transfer.args import add_arguments as add_arguments  # re-exported
-from kvoffload.bench.transfer.child import block_ids
+from kvoffload.bench.transfer.child import block_ids, settle
 from kvoffload.cli import argtypes
 from kvoffload.offload.base import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.transfer import (
@@ -99,14 +99,20 @@ def _geometry(block_bytes: int, args: argparse.Namespace) -> KVGeometry:
 
 
 def _best_seconds_interleaved(
-    fns: list[Callable[[], object]], repeats: int, sync: Callable[[], None]
+    fns: list[Callable[[], object]],
+    repeats: int,
+    sync: Callable[[], None],
+    jobs: tuple[int, ...] = (),
 ) -> list[float]:
     """Best time of each of ``fns``, run round-robin so that noise from other
-    processes on the machine hits all of them alike."""
+    processes on the machine hits all of them alike; ``fns[i]`` for ``i`` in
+    ``jobs`` starts ``child.SETTLE_S`` after the step before it."""
     best = [float("inf")] * len(fns)
     for _ in range(repeats):
         for i, fn in enumerate(fns):
             sync()
+            if i in jobs:
+                settle()  # as the child does before a job (child.SETTLE_S says why)
             start = time.perf_counter()
             fn()
             sync()
@@ -218,6 +224,7 @@ def measure(
             ],
             args.repeats,
             sync,
+            jobs=(0, 1),
         )
     finally:
         worker.close()

@@ -83,6 +83,18 @@ def _runs_of(
     return ids.reshape(-1)[:n]
 
 
+#: Pause before each timed job: longer than an OpenMP team that just ran spins before it
+#: sleeps (libgomp, this 2-core VM: up to ~5 ms). A job started at once shared the cores
+#: with the bulk copy's spinning team: 1,000 random 64 KiB blocks, 28.5 ms then, 18.0 ms
+#: after 10 ms; the store, which came right after the bulk copies, paid it, the load not.
+SETTLE_S = 0.01
+
+
+def settle() -> None:
+    """Let the calling thread's OpenMP team (the bulk copy's) go to sleep before a job."""
+    time.sleep(SETTLE_S)
+
+
 class Rig:
     """Both tiers, one worker and the two jobs of one setup."""
 
@@ -129,18 +141,21 @@ class Rig:
     def round(self) -> list[float]:
         """Seconds of a store, a load and the two bulk copies. Each bulk copy is the faster
         of two back to back: the first may wait for the torch thread team to wake (after a
-        job ran on pool threads it has gone to sleep), which is no part of copying bytes."""
+        job ran on pool threads it has gone to sleep), which is no part of copying bytes.
+        Each job starts ``SETTLE_S`` after the step before it (``settle``)."""
         gpu, host = self.gpu_flat[: self.total], self.host_flat[: self.total]
         steps = (
-            lambda: self._job(True),
-            lambda: self._job(False),
-            lambda: host.copy_(gpu),
-            lambda: host.copy_(gpu),
-            lambda: gpu.copy_(host),
-            lambda: gpu.copy_(host),
+            (True, lambda: self._job(True)),
+            (True, lambda: self._job(False)),
+            (False, lambda: host.copy_(gpu)),
+            (False, lambda: host.copy_(gpu)),
+            (False, lambda: gpu.copy_(host)),
+            (False, lambda: gpu.copy_(host)),
         )
         out = []
-        for step in steps:
+        for is_job, step in steps:
+            if is_job:
+                settle()
             start = time.perf_counter()
             step()
             out.append(time.perf_counter() - start)
