@@ -54,12 +54,17 @@ def _full_groups(n: int) -> tuple[GroupLayout, ...]:
     return tuple(GroupLayout(tokens_per_chunk=16) for _ in range(n))
 
 
-def _store_chain(m: CPUOffloadingManager, first: int, chunks: int, groups: int) -> None:
-    keys = [
+def _chain_keys(first: int, chunks: int, groups: int) -> list[OffloadKey]:
+    """One request's keys, group after group, each in chain order (vLLM's store order)."""
+    return [
         make_offload_key(c.to_bytes(8, "big"), g)
         for g in range(groups)
         for c in range(first, first + chunks)
     ]
+
+
+def _store_chain(m: CPUOffloadingManager, first: int, chunks: int, groups: int) -> None:
+    keys = _chain_keys(first, chunks, groups)
     flags = m.admit(keys)
     if flags is not None:
         keys = [k for k, f in zip(keys, flags) if f]
@@ -88,9 +93,47 @@ def test_shadows_model_the_tier_in_units(groups: int) -> None:
         assert abs(tier.capacity - units // rate) * 16 <= units // rate
     # The ARC structure's target and ghosts are bounded by the units too.
     assert abs(duel.arc.capacity - units) * 16 <= units
+    # The LRU structure (its admission's free room) counts units too; a plain tier's
+    # structure keeps its slot count (stores in flight must not shrink it).
+    assert abs(duel.lru.capacity - units) * 16 <= units
     if groups == 1:
         assert all(t.capacity == slots // rate for t in duel.lru.tiers)  # as before
-        assert duel.arc.capacity == slots
+        assert duel.arc.capacity == duel.lru.capacity == slots
+        assert not duel._units
+
+
+def test_a_plain_tier_keeps_its_slot_count_with_stores_in_flight() -> None:
+    # A tiny plain tier measured when full with a store in flight holds fewer keys than
+    # its slots: its LRU structure must not shrink to that (the reverted 60d7799 did).
+    m = CPUOffloadingManager(32)
+    duel = _duel(m)
+    in_flight: list[OffloadKey] = []
+    for r in range(200):  # each store completes after the next one is prepared
+        keys = [make_offload_key((100 * r + c).to_bytes(8, "big")) for c in range(4)]
+        out = m.prepare_store(keys)
+        assert out is not None
+        if in_flight:
+            m.complete_store(in_flight)
+        in_flight = out.keys_to_store
+    assert duel._resident < 31  # what it holds when full, smoothed: 28 keys and 4 in flight
+    assert duel.lru.capacity == 32
+
+
+def test_a_full_unit_tier_stores_declined_first_sightings_only_in_the_reject_room() -> None:
+    m = CPUOffloadingManager(4096, group_layout=_full_groups(4))
+    duel = _duel(m)
+    for r in range(120):  # chains stored once, never read: the duel turns to second sighting
+        _store_chain(m, 1000 * r, 64, 4)
+    assert duel.arm == "second"
+    resident = [k for r in range(104, 120) for k in _chain_keys(1000 * r, 64, 4)]
+    assert all(k in m.policy for k in resident)
+    m.touch(resident)  # read again: every resident chunk is kept, none is a reject
+    assert len(duel.lru.rejects) == 0
+    # Second sighting declines a fresh chain; a declined chunk is stored only where it costs
+    # no kept chunk, and the tier (1,024 chunks) has none such. Counted in slots, admit saw
+    # 3,000 free ones and the declined chunks evicted kept ones.
+    flags = m.admit(_chain_keys(500_000, 64, 4))
+    assert flags is not None and sum(flags) <= 4 * (duel.lru.capacity - 1024)
 
 
 def test_arc_retarget_bounds_p_and_ghosts_and_keeps_the_resident_keys() -> None:

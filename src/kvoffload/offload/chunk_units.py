@@ -115,6 +115,9 @@ class ChunkUnitPolicy(CachePolicy):
         self._idle = 0  # held keys of resident units that are not busy
         self._chains.clear()
         self._units_max = max(len(self.layout), 1)  # most stored keys one unit can hold
+        # The inner policy counts chunks, not slots (its capacity is the slots'): told
+        # again after a clear, which rebuilds it.
+        self.inner.hint_units()
 
     def clear(self) -> None:
         self.inner.clear()

@@ -70,6 +70,18 @@ class CachePolicy(ABC):
         """
         return None
 
+    def hint_units(self) -> None:
+        """The keys this policy ranks are chunk units, each of one to several slots.
+
+        Called by the chunk-unit layer (``kvoffload.offload.chunk_units``) when it
+        wraps this policy, and again after each ``clear``: a full tier then holds
+        fewer of this policy's keys than ``capacity`` (which counts slots). A policy
+        that decides by its free room or sizes anything by ``capacity`` should go by
+        what it holds when full instead. Never called for a tier of one group; the
+        default ignores it.
+        """
+        return None
+
     # Queue and session hints. The manager forwards what the engine knows about
     # requests that have arrived but not run. Contract for every policy:
     # - each hint costs O(keys of the request) (``hint_dequeued``: O(keys given

@@ -99,6 +99,13 @@ class PolicyDuel(CachePolicy):
         # each store that had to evict.
         self._full = False
         self._resident = float(capacity)
+        self._units = False  # ``hint_units``: the LRU structure's capacity follows it too
+
+    def hint_units(self) -> None:
+        """Under chunk units the LRU structure is sized by what the tier holds when full
+        (``ArmsDuel.fit_tier``), and its duel gates switches by their noise."""
+        self._units = True
+        self.lru.hint_units()
 
     # -- introspection -----------------------------------------------------------------
 
@@ -152,7 +159,10 @@ class PolicyDuel(CachePolicy):
             size = int(resident)
             if 16 * abs(size - self.arc.capacity) > self.arc.capacity:
                 self.arc.retarget(size)
-            self.lru.fit_shadows(size)
+            if self._units:
+                self.lru.fit_tier(size)
+            else:
+                self.lru.fit_shadows(size)
 
     def access(self, keys: Sequence[OffloadKey]) -> None:
         self._clock += len(keys)

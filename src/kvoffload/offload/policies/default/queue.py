@@ -127,6 +127,9 @@ class QueueAwarePolicy(CachePolicy):
     def hint_parent(self, child: OffloadKey, parent: OffloadKey) -> None:
         self.inner.hint_parent(child, parent)
 
+    def hint_units(self) -> None:
+        self.inner.hint_units()
+
     # -- moving keys between the inner policy and the protected sets ----------------------
 
     # A held or marked key stays in the inner policy, pinned there (so it is never the
