@@ -42,10 +42,12 @@ def job_result(
     start: float,
     num_bytes: int,
     exc: BaseException | None,
+    copy: tuple[float, float] | None = None,
 ) -> TransferResult:
     """The result of a job submitted at ``start`` (``time.perf_counter()``), finishing now.
 
-    It failed with ``exc`` (reported as 0 bytes), or succeeded having moved ``num_bytes``.
+    It failed with ``exc`` (reported as 0 bytes), or succeeded having moved ``num_bytes``;
+    ``copy``: the wall and CPU seconds its copies ran (``TransferResult.copy_seconds``).
     """
     return TransferResult(
         job_id=job_id,
@@ -55,6 +57,8 @@ def job_result(
         src_medium=media[0],
         dst_medium=media[1],
         seconds=time.perf_counter() - start,
+        copy_seconds=None if copy is None else copy[0],
+        copy_cpu_seconds=None if copy is None else copy[1],
     )
 
 
@@ -127,6 +131,7 @@ class ThreadPoolTransferHandler(TransferHandler):
         self._parts_left: dict[int, int] = {}
         self._part_error: dict[int, BaseException] = {}
         self._part_bytes: dict[int, int] = {}
+        self._part_copy: dict[int, list[float]] = {}  # job id -> [wall, CPU] seconds of parts
         self._cond = threading.Condition()
         self._in_use: set[int] = set()  # submitted, not yet returned by get_finished
         self._running: set[int] = set()  # submitted, not yet finished
@@ -205,6 +210,7 @@ class ThreadPoolTransferHandler(TransferHandler):
         with self._cond:
             self._parts_left[job_id] = len(parts)
             self._part_bytes[job_id] = 0
+            self._part_copy[job_id] = [0.0, 0.0]
             self._unclaimed[job_id] = list(queued)
             if staged:
                 self._stages[job_id] = queued
@@ -280,6 +286,7 @@ class ThreadPoolTransferHandler(TransferHandler):
 
     def _run(self, part: _Part) -> None:
         job_id, num_bytes, error = part.job_id, 0, None
+        wall, cpu = time.perf_counter(), time.thread_time()
         try:
             if part.shared and not getattr(_THIS_THREAD, "in_pool", False):
                 with _one_torch_thread():
@@ -288,8 +295,12 @@ class ThreadPoolTransferHandler(TransferHandler):
                 num_bytes = part.work()
         except BaseException as exc:  # a job must always be reported, whatever went wrong
             error = exc
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
         with self._cond:
             part.done = True
+            spent = self._part_copy[job_id]
+            spent[0] += wall
+            spent[1] += cpu
             if job_id in self._stages:
                 self._cond.notify_all()
             self._part_bytes[job_id] += num_bytes
@@ -302,7 +313,8 @@ class ThreadPoolTransferHandler(TransferHandler):
             self._stages.pop(job_id, None)
             total = self._part_bytes.pop(job_id)
             error = self._part_error.pop(job_id, None)
-        self._finish(job_id, part.spec, part.start, total, error)
+            copy = self._part_copy.pop(job_id)
+        self._finish(job_id, part.spec, part.start, total, error, (copy[0], copy[1]))
 
     def _finish(
         self,
@@ -311,9 +323,10 @@ class ThreadPoolTransferHandler(TransferHandler):
         start: float,
         num_bytes: int,
         exc: BaseException | None,
+        copy: tuple[float, float] | None = None,
     ) -> None:
         media = spec.media if isinstance(spec, TransferSpec) else ("?", "?")
-        result = job_result(job_id, media, start, num_bytes, exc)
+        result = job_result(job_id, media, start, num_bytes, exc, copy)
         with self._cond:
             self._done.append(result)
             self._running.discard(job_id)

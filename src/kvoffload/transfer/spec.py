@@ -41,7 +41,12 @@ class TransferResult:
     garbage: a failed store's keys are dropped by the manager, a failed
     load's GPU blocks recomputed. ``num_bytes`` is what a successful job
     moved (0 on failure); ``seconds`` runs from submit to completion as
-    observed by the handler.
+    observed by the handler. ``copy_seconds``: how long the job's copies
+    ran, each part (shard, stage) from its start to its end, added over the
+    parts (what vLLM's own thread-pool tier reports as a transfer's time);
+    ``copy_cpu_seconds``: the CPU time of the threads while they ran them
+    (the same, less the time a part's thread waited for a core). Both are
+    None where the handler does not time its parts.
     """
 
     job_id: int
@@ -51,3 +56,5 @@ class TransferResult:
     src_medium: str = ""
     dst_medium: str = ""
     seconds: float = 0.0
+    copy_seconds: float | None = None
+    copy_cpu_seconds: float | None = None

@@ -17,7 +17,9 @@ the call, nothing inside changed) and one JSON line appended to
   that carried or finished a load;
 - worker side, per step with a load: ``{"kind": "load_step", "start_s",
   "load_bytes", "sync_ids", "async_ids"}`` and per finished load
-  ``{"kind": "load_done", "job_id", "bytes", "seconds"}``; per step:
+  ``{"kind": "load_done", "job_id", "bytes", "seconds", "wall_s", "copy_s",
+  "copy_cpu_s"}`` (``seconds``: what vLLM's metric got; the others kvoffload's
+  ``TransferResult``: submit to done, its copies' wall and CPU time); per step:
   ``{"kind": "worker_step", "finished_s", "meta_s", "errors_s"}``; per step
   with a load, the forward pass's waits for it: ``{"kind": "forward_waits",
   "layer_s", "save_s"}`` (``wait_for_layer_load`` summed, ``wait_for_save``);
@@ -55,6 +57,20 @@ class _Sink:
         if self.path is not None:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+
+
+def _spy(real: Any, into: list[Any] | dict[int, Any]) -> Any:
+    """``real`` (a ``get_finished``) that also keeps what it returns ``into``."""
+
+    def spy() -> Any:
+        out = real()
+        if isinstance(into, list):
+            into.extend(out)
+        else:
+            into.update((r.job_id, r) for r in out)
+        return out
+
+    return spy
 
 
 class ProfiledKVOffloadConnector(KVOffloadConnector):
@@ -214,32 +230,35 @@ class ProfiledKVOffloadConnector(KVOffloadConnector):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         worker = self.kvoffload_worker
         results: list[Any] = []
+        jobs: dict[int, Any] = {}  # kvoffload's own results: the job's wall and copy times
+        inner = getattr(worker, "worker", None)
         if worker is not None:
-            real = worker.get_finished
-
-            def spy() -> list[Any]:
-                out = real()
-                results.extend(out)
-                return out
-
-            worker.get_finished = spy  # type: ignore[method-assign]
+            worker.get_finished = _spy(worker.get_finished, results)  # type: ignore[method-assign]
+            if inner is not None:
+                inner.get_finished = _spy(inner.get_finished, jobs)
         t = time.perf_counter()
         try:
             out = super().get_finished(finished_req_ids)
         finally:
             if worker is not None:
                 del worker.get_finished  # back to the class's method
+            if inner is not None:
+                del inner.get_finished
         self._finished_s = time.perf_counter() - t
         for r in results:
             if r.job_id not in self._load_ids:
                 continue
             self._load_ids.discard(r.job_id)
             if r.transfer_size:
+                job = jobs.get(r.job_id)
                 self._sink.write(
                     kind="load_done",
                     job_id=r.job_id,
                     bytes=r.transfer_size,
                     seconds=r.transfer_time,
+                    wall_s=getattr(job, "seconds", None),
+                    copy_s=getattr(job, "copy_seconds", None),
+                    copy_cpu_s=getattr(job, "copy_cpu_seconds", None),
                 )
         return out
 

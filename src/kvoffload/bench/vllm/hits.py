@@ -171,6 +171,9 @@ def profile_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     # Medians of per-copy rates: one descheduled copy on a shared host would
     # otherwise weigh as much as all the others together.
     load_gbps = _median_rate(done)
+    walls = [{"bytes": r["bytes"], "seconds": r.get("wall_s") or 0.0} for r in done]
+    copies = [{"bytes": r["bytes"], "seconds": r.get("copy_s") or 0.0} for r in done]
+    cpus = [{"bytes": r["bytes"], "seconds": r.get("copy_cpu_s") or 0.0} for r in done]
     bulk_gbps = _median_rate(bulk)
     hot = [{"bytes": r["bytes"], "seconds": r.get("hot_seconds", 0.0)} for r in bulk]
     return {
@@ -182,6 +185,9 @@ def profile_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         "wait_ms_mean": 1e3 * statistics.fmean(h.get("wait_s", 0.0) for h in hits) if hits else 0.0,
         "load_mb_mean": load_bytes / max(len(done), 1) / 1e6,
         "load_gbps": load_gbps,
+        "load_wall_gbps": _median_rate(walls),
+        "load_copy_gbps": _median_rate(copies),
+        "load_copy_cpu_gbps": _median_rate(cpus),
         "bulk_gbps": bulk_gbps,
         "bulk_hot_gbps": _median_rate(hot),
         "load_vs_bulk": load_gbps / bulk_gbps if bulk_gbps else 0.0,
@@ -356,6 +362,7 @@ _HIT_COLUMNS = (
     "steps, ms waited",
     "load MB",
     "load GB/s",
+    "wall / copy / CPU",
     "bulk GB/s",
     "hot bulk",
     "load/bulk",
@@ -368,13 +375,17 @@ _KVOFFLOAD_HIT_ROWS = ("kvoffload hit", "kvoffload hit, async loads")
 def _profile_cells(prof: dict[str, Any] | None) -> list[str]:
     """The profile's columns of one row (blank without ``--profile-hit``)."""
     if not prof:
-        return [""] * 8
+        return [""] * 9
     bulk = bool(prof["bulk_gbps"])
     return [
         f"{prof['steps_waited_mean']:.2f} (max {prof['steps_waited_max']}), "
         f"{prof['wait_ms_mean']:.1f} ms",
         f"{prof['load_mb_mean']:.1f}",
         f"{prof['load_gbps']:.1f}",
+        " / ".join(
+            f"{prof.get(k, 0.0):.1f}"
+            for k in ("load_wall_gbps", "load_copy_gbps", "load_copy_cpu_gbps")
+        ),
         f"{prof['bulk_gbps']:.1f}" if bulk else "-",
         f"{prof['bulk_hot_gbps']:.1f}" if bulk else "-",
         f"{prof['load_vs_bulk']:.2f}" if bulk else "-",
@@ -446,7 +457,10 @@ def print_report(report: dict[str, Any], breakdown: bool) -> None:
     )
     console.print(f"outputs identical to the device hit's: {same}")
     console.print(
-        "load GB/s: the load job's bytes over its wall time (a load copied layer by layer "
+        "load GB/s: what vLLM's kv_offload metric reports; wall / copy / CPU: the load "
+        "job's bytes over its time from submit to done, over the time its parts ran "
+        "(each from its start to its end), and over its threads' CPU time while they "
+        "ran (a load copied layer by layer "
         "runs under the forward pass, sharing the cores); blocking: the time the step "
         "that loads waited for it (submission, synchronous waits, the forward pass "
         "waiting for a layer's copy), and the bytes over that time"
