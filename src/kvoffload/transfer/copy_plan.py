@@ -174,14 +174,24 @@ class GroupPairs:
         self.row_bytes = layout.plane_row_bytes
         self.bytes_per_block = layout.bytes_per_block
         self._views: list[tuple[RowViews, RowViews]] | None = None
+        self._team_views: list[tuple[RowViews, RowViews]] | None = None
 
-    def row_views(self) -> list[tuple[RowViews, RowViews]]:
-        """Cached row views of the ``wide`` groups (source, destination), for ``runs``.
+    def row_views(self, team: bool = False) -> list[tuple[RowViews, RowViews]]:
+        """Cached row views (source, destination), for ``runs``.
 
-        Wide integer elements keep each row's copy under torch's parallel
-        grain (32768 elements), so a copy never opens an OpenMP team: a job's
-        parallelism is its shards, one per thread, whoever runs them.
+        By default of the ``wide`` groups: wide integer elements keep each
+        row's copy under torch's parallel grain (32768 elements), so a copy
+        never opens an OpenMP team: a job's parallelism is its shards, one per
+        thread, whoever runs them. ``team``: of the ``narrow`` (byte) groups,
+        for a job run whole by a thread whose team is its own (an expedited
+        load on the engine's thread): a row of 32 KiB or more is then split
+        across the team (12 MB of random 128 KiB blocks on 2 cores: 6.5-7.3
+        GB/s wide, 9.0-10.3 narrow, a cold bulk copy 10.9-12.8).
         """
+        if team:
+            if self._team_views is None:
+                self._team_views = [(RowViews(sg), RowViews(dg)) for sg, dg in self.narrow]
+            return self._team_views
         if self._views is None:
             self._views = [(RowViews(sg), RowViews(dg)) for sg, dg in self.wide]
         return self._views
@@ -211,7 +221,7 @@ class GroupPairs:
         ]
         out.wide = out.narrow
         out.bytes_per_block = sum(b - a for _, a, b in spans)
-        out._views = None
+        out._views = out._team_views = None
         out.__dict__.pop("plane_split", None)
         return out
 
@@ -234,7 +244,7 @@ class GroupPairs:
         out.narrow = [(s[p0:p1], d[p0:p1]) for s, d in self.narrow]
         out.wide = [(s[p0:p1], d[p0:p1]) for s, d in self.wide]
         out.bytes_per_block = (p1 - p0) * self.row_bytes
-        out._views = None
+        out._views = out._team_views = None
         out.__dict__.pop("plane_split", None)
         return out
 
@@ -332,12 +342,14 @@ def copy_rows(
     pairs: RowPairs,
     strategy: str | None = None,
     non_blocking: bool = False,
+    team: bool = False,
 ) -> str:
     """Copy ``pairs`` across every (source, destination) group; returns the strategy used.
 
     Rows must be in range (the caller validates ids, this function trusts
     them). With ``non_blocking`` cross-device copies are only enqueued on the
-    current stream; the caller records an event after.
+    current stream; the caller records an event after. ``team``: the calling
+    thread's torch threads are this job's alone (``GroupPairs.row_views``).
     """
     n = pairs.num_rows
     if n == 0:
@@ -356,7 +368,7 @@ def copy_rows(
         lengths = np.diff(np.append(starts, n))
         srcs: list[torch.Tensor] = []
         dsts: list[torch.Tensor] = []
-        for sv, dv in groups.row_views():
+        for sv, dv in groups.row_views(team):
             dl, sl = run_views(sv, dv, s[starts], d[starts], lengths)
             dsts += dl
             srcs += sl

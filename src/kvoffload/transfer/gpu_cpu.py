@@ -169,7 +169,7 @@ class CpuGpuTransferHandler(ThreadPoolTransferHandler):
 
     def prepare_expedited(self, job_id: int, spec: TransferSpec) -> list[Work]:
         job = self.planner.plan(spec)
-        return [self._part(job.groups, job.pairs, job.num_bytes)]
+        return [self._part(job.groups, job.pairs, job.num_bytes, team=True)]
 
     supports_stages = True
 
@@ -206,10 +206,15 @@ class CpuGpuTransferHandler(ThreadPoolTransferHandler):
         return groups
 
     def _part(
-        self, groups: GroupPairs, pairs: RowPairs, nbytes: int, strategy: str | None = None
+        self,
+        groups: GroupPairs,
+        pairs: RowPairs,
+        nbytes: int,
+        strategy: str | None = None,
+        team: bool = False,
     ) -> Work:
         def work() -> int:
-            copy_rows(groups, pairs, strategy or self.strategy)
+            copy_rows(groups, pairs, strategy or self.strategy, team=team)
             return nbytes
 
         return work
