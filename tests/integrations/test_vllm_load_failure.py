@@ -131,6 +131,7 @@ def test_a_failed_load_goes_to_vllms_recovery_with_its_gpu_blocks(
         recompute_failed_loads=policy == "recompute",
     )
     rig.forward_layers = loads == "staged"  # its forward passes arm staging
+    rig.kv_worker.stage_loads = True  # armed, a load is staged whatever the machine's cores
     rig.add(PROMPT, req_id="first")
     rig.run()
     flood(rig)  # PROMPT's blocks now only in the CPU tier

@@ -13,9 +13,11 @@ need_vllm()
 
 import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
 
+from kvoffload.integrations.vllm.worker import worker as worker_module  # noqa: E402
 from kvoffload.integrations.vllm.worker.layer_loads import LayerStages  # noqa: E402
 from kvoffload.offload.media import CPU_MEDIUM, GPU_MEDIUM  # noqa: E402
 from tests.integrations.scheduler.test_vllm_sync_loads import (  # noqa: E402
@@ -28,9 +30,10 @@ from tests.integrations.test_vllm_engine import PROMPT, PROMPT_BLOCKS, assert_no
 from tests.integrations.vllm_rig import VLLMRig  # noqa: E402
 
 
-def _layered_rig(tmp_path: Path, path: str) -> VLLMRig:
+def _layered_rig(tmp_path: Path, path: str, stage: bool | None = True) -> VLLMRig:
     rig = _rig(tmp_path, path, budget=None)
     rig.forward_layers = True
+    rig.kv_worker.stage_loads = stage  # staged whatever the machine's cores (spare_core)
     return rig
 
 
@@ -126,3 +129,31 @@ def test_stages_follow_the_layers_and_refuse_unknown_memory() -> None:
     overlap = {"a": (1000, 64, 32), "b": (1016, 64, 32)}
     assert LayerStages.match(overlap, planes) is None
     assert LayerStages.match({}, planes) is None
+
+
+@pytest.mark.parametrize("spare", [False, True])
+def test_without_a_spare_core_a_synchronous_hit_is_loaded_whole_before_the_forward_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spare: bool
+) -> None:
+    """By default a load is staged only where the forward pass leaves a core to the copy:
+    copied under a forward pass whose threads fill every core, it slowed the pass more
+    than the copy took (``layer_loads``' docstring)."""
+    monkeypatch.setattr(worker_module, "spare_core", lambda: spare)
+    rig = _layered_rig(tmp_path, "native", stage=None)
+    _hit_again(rig)
+    inner = rig.kv_worker.worker
+    submitted: dict[int, bool] = {}
+    real = inner.submit_load
+
+    def spy(job_id: int, spec: Any, expedited: bool = False, stages: Any = None) -> None:
+        submitted[job_id] = stages is not None
+        real(job_id, spec, expedited, stages)
+
+    monkeypatch.setattr(inner, "submit_load", spy)
+    assert _steps_until_scheduled(rig, "again") == 1
+    assert submitted == {rig.sync_loads[-1]: spare}
+    rig.run()
+    assert rig.early_reads == [] and rig.mismatches == []
+    assert rig.blocks_verified == PROMPT_BLOCKS
+    assert_no_leaks(rig)
+    rig.shutdown()

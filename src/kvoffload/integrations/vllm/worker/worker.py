@@ -69,7 +69,7 @@ from kvoffload.integrations.vllm.worker.chunk_rows import (
     group_rows,
 )
 from kvoffload.integrations.vllm.worker.group_jobs import GroupSplitHandler, RoutedSubBlockSpec
-from kvoffload.integrations.vllm.worker.layer_loads import Extent, LayerStages
+from kvoffload.integrations.vllm.worker.layer_loads import Extent, LayerStages, spare_core
 from kvoffload.offload import CPULoadStoreSpec as KVCPUSpec
 from kvoffload.offload import GPULoadStoreSpec as KVGPUSpec
 from kvoffload.offload.base import BlockIDsLoadStoreSpec as KVBlockIDsSpec
@@ -197,7 +197,12 @@ class KVOffloadWorker(OffloadingWorker):
     ``group_pools`` / ``group_routes``: per slot class (or plane set), the GPU
     planes, their layout and the class's host pool; group ``g`` (position in
     vLLM's job specs) is copied by ``group_pools[group_routes[g]]``.
+    ``stage_loads``: copy synchronous loads layer by layer (``layer_loads``)
+    always (True), never (False), or where the forward pass leaves a core to
+    the copy (None, the default: ``layer_loads.spare_core``).
     """
+
+    stage_loads: bool | None = None
 
     def __init__(
         self,
@@ -310,12 +315,15 @@ class KVOffloadWorker(OffloadingWorker):
         gpu, cpu = self._pair(dst_spec, inner)
         self._jobs[job_id] = _Job(op_id, [int(b) for b in dst_spec.block_ids], True)
         layers = self.layer_stages
-        if expedited and layers is not None and layers.armed:
+        if expedited and layers is not None and layers.armed and self._stage_now():
             layers.add(job_id)
             self.worker.submit_load(job_id, (cpu, gpu), True, layers.stages)
         else:
             self.worker.submit_load(job_id, (cpu, gpu), expedited)
         return True
+
+    def _stage_now(self) -> bool:
+        return spare_core() if self.stage_loads is None else self.stage_loads
 
     def expedite(self, job_ids: set[int]) -> None:
         """Submit these loads, when they come, as expedited (waited for in the same step)."""
