@@ -97,3 +97,20 @@ def test_under_chunk_units_the_first_sighting_verdict_is_not_taken() -> None:
         for _ in script:
             duel._score(_CALL)
         assert duel.mode == arm
+
+
+def test_back_to_all_weighs_the_noise_as_leaving_it() -> None:
+    # In second sighting, ALL's shadow gains one lump per call, 4 calls: where 1 in 10 of
+    # ALL's first sightings was read again, the way back is as cheap as the way out.
+    script = [(16, 0, 0, 0) if i % 2 else (0, 16, 0, 0) for i in range(40)]
+    script += [(16, 0, 0, 0)] * 4
+    for share, arm in ((0.9, SECOND), (0.1, ALL)):
+        duel = ArmsDuel(1 << 16)
+        duel.hint_units()
+        duel.mode = duel.choice = SECOND
+        duel._useful = round(1000 * share)
+        duel._wasted = 1000 - duel._useful
+        duel.tiers = [_Scripted([row[a] for row in script]) for a in range(4)]  # type: ignore[misc]
+        for _ in script:
+            duel._score(_CALL)
+        assert duel.mode == arm

@@ -62,8 +62,8 @@ class ArmsDuel(ArmsChainLRUPolicy):
     fresh_trial: ClassVar[int] = 1024  # first sightings' fates (read or evicted) per verdict
     fresh_share: ClassVar[float] = 0.05  # ... of which at most this share read: a verdict
     # Under chunk units only (``hint_units``): a switch needs a lead beyond this many
-    # standard deviations of the two arms' score difference (``_spread``), and leaving
-    # ALL this gate times twice the share of its first sightings read again (at most 1).
+    # standard deviations of the two arms' score difference (``_spread``); between ALL
+    # and a filter, times twice the share of ALL's first sightings read (at most 1).
     noise_z: ClassVar[float] = 2.0
     leave_all_weight: ClassVar[float] = 2.0
 
@@ -369,16 +369,21 @@ class ArmsDuel(ArmsChainLRUPolicy):
         conversation's turn moves a score by ~16 at once, so margins of 0.5-2 shadow
         hits let the duel switch on one request (hybrid replay, 2 groups, window
         1,024, 10%: ALL -> second -> ALL -> second -> ARC within 12 requests of ties).
-        Each switch costs the real tier more than such a lead is worth (ALL -> a
-        filter demotes every unread turn just stored: the next turns' prefixes), so
-        the default fell 1-4 points behind every single arm. Leaving ALL, the gate
-        is scaled by twice the share of ALL's first sightings read again (at most 1):
-        those are what the switch demotes; where they go unread (the Mooncake trace:
-        1 in 10) a filter's small lead is worth taking."""
+        Each switch costs the real tier more than such a lead is worth: ALL -> a
+        filter demotes the chunks ALL let in unread (there, the conversations' latest
+        turns, which their next turns read), a switch of structure moves every key,
+        and either leaves the tier in a state that no shadow, each running one arm
+        throughout, has scored. With the arms within 1-3% of each other, the default
+        fell 1-4 points behind every single arm.
+
+        Between ALL and a filter (either way) the gate is scaled by twice the share of
+        ALL's first sightings read again, at most 1: those are what leaving ALL
+        demotes, so where they go unread (the Mooncake trace: 1 in 10) moving, and
+        moving back, costs little and a filter's small lead is worth taking."""
         if arm == mode:
             return 0.0
         sigma = math.sqrt(self._var[_PAIR[arm][mode]])
-        if mode == ALL and arm != ARC:
+        if ARC not in (arm, mode) and ALL in (arm, mode):
             total = self._useful + self._wasted
             if total:
                 sigma *= min(1.0, self.leave_all_weight * self._useful / total)
