@@ -9,6 +9,7 @@ import pytest
 
 from kvoffload.bench.vllm.hits import (
     PROFILED,
+    STAGE_ENV,
     SUFFIX,
     engine_specs,
     hit_prompts,
@@ -31,7 +32,16 @@ def test_prompts_revisit_the_same_prefixes_with_new_suffixes() -> None:
 def test_engines_same_prompts_device_cache_sizes(tmp_path: Path) -> None:
     rounds = hit_prompts(visits=2)
     engines = {e["name"]: e for e in engine_specs("m", rounds, 8192, tmp_path)}
-    assert list(engines) == ["miss", "device", "kvoffload", "kvoffload_async", "device_kvoffload"]
+    assert list(engines) == [
+        "miss",
+        "device",
+        "kvoffload",
+        "kvoffload_whole",
+        "kvoffload_async",
+        "device_kvoffload",
+    ]
+    assert engines["kvoffload_whole"]["env"][STAGE_ENV] == "0"  # never staged
+    assert STAGE_ENV not in engines["kvoffload"]["env"]  # the default
     assert engines["miss"]["enable_prefix_caching"] is False
     longest = max(len(p) for p in rounds[0])
     # The offload rows' device cache holds the longest request but far from every
@@ -48,7 +58,7 @@ def test_engines_same_prompts_device_cache_sizes(tmp_path: Path) -> None:
     )
     assert engines["device_kvoffload"]["num_gpu_blocks"] == engines["device"]["num_gpu_blocks"]
     assert engines["device_kvoffload"]["connector"] == PROFILED
-    for name in ("device", "kvoffload", "kvoffload_async", "device_kvoffload"):
+    for name in ("device", "kvoffload", "kvoffload_whole", "kvoffload_async", "device_kvoffload"):
         assert [p["prompts"] for p in engines[name]["phases"]] == rounds
     assert engines["miss"]["phases"][0]["prompts"] == rounds[1]
     assert engines["miss"]["phases"][1]["prompts"] == [p[-SUFFIX:] for p in rounds[1]]
@@ -123,6 +133,7 @@ def test_summarize_ratios_gap_and_outputs() -> None:
             _engine("miss", {"miss": 500.0, "suffix": 15.0}),
             _engine("device", {"visit0": 500.0, "visit1": 20.0}),
             _engine("kvoffload", {"visit0": 500.0, "visit1": 22.0}),
+            _engine("kvoffload_whole", {"visit0": 500.0, "visit1": 23.0}),
             _engine("kvoffload_async", {"visit0": 500.0, "visit1": 30.0}, tokens=[9]),
             _engine("device_kvoffload", {"visit0": 500.0, "visit1": 21.0}),
         ]
@@ -137,6 +148,7 @@ def test_summarize_ratios_gap_and_outputs() -> None:
     assert s["identical_outputs"] == {
         "miss": 1,
         "kvoffload hit": 1,
+        "kvoffload hit, whole loads": 1,
         "kvoffload hit, async loads": 0,
         "device hit, kvoffload on": 1,
     }

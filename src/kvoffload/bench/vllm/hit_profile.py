@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from kvoffload.bench.vllm.hits import STAGE_ENV
 from kvoffload.integrations.vllm.connector import KVOffloadConnector
 
 PROFILE_ENV = "KVOFFLOAD_HIT_PROFILE"
@@ -213,6 +214,13 @@ class ProfiledKVOffloadConnector(KVOffloadConnector):
             hot_seconds=hot,
             torch_threads=torch.get_num_threads(),
         )
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        forced = os.environ.get(STAGE_ENV)
+        worker = self.kvoffload_worker
+        if forced is not None and worker is not None:
+            worker.stage_loads = forced == "1"
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         t = time.perf_counter()

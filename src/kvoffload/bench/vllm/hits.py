@@ -43,7 +43,15 @@ from typing import Any
 from kvoffload.bench.vllm.model import FIRST_WORD_ID, VOCAB_SIZE
 
 #: (row label, engine name) of the two kvoffload rows.
-OFFLOAD_ROWS = (("kvoffload hit", "kvoffload"), ("kvoffload hit, async loads", "kvoffload_async"))
+OFFLOAD_ROWS = (
+    ("kvoffload hit", "kvoffload"),
+    ("kvoffload hit, whole loads", "kvoffload_whole"),
+    ("kvoffload hit, async loads", "kvoffload_async"),
+)
+#: Set in an engine's environment, "0" or "1" forces ``KVOffloadWorker.stage_loads``
+#: (read by ``hit_profile``'s connector when vLLM registers the KV caches).
+STAGE_ENV = "KVOFFLOAD_HIT_STAGE_LOADS"
+
 PROFILED = {
     "kv_connector": "ProfiledKVOffloadConnector",
     "kv_connector_module_path": "kvoffload.bench.vllm.hit_profile",
@@ -86,17 +94,22 @@ def engine_specs(
     def visits(n: int) -> list[dict[str, Any]]:
         return [{"name": f"visit{v}", "prompts": rounds[v], "max_tokens": 2} for v in range(n)]
 
-    def offload(name: str, budget: int | None, gpu_blocks: int = one_request) -> dict[str, Any]:
+    def offload(
+        name: str, budget: int | None, gpu_blocks: int = one_request, stage: str | None = None
+    ) -> dict[str, Any]:
         extra: dict[str, Any] = {"cpu_bytes": cpu_bytes}
         if budget is not None:
             extra["sync_load_budget_bytes"] = budget
+        env = {"KVOFFLOAD_HIT_PROFILE": str(profile_dir / name)}
+        if stage is not None:
+            env[STAGE_ENV] = stage
         return dict(
             base,
             name=name,
             num_gpu_blocks=gpu_blocks,
             connector=PROFILED,
             extra_config=extra,
-            env={"KVOFFLOAD_HIT_PROFILE": str(profile_dir / name)},
+            env=env,
             phases=visits(len(rounds)),
         )
 
@@ -113,6 +126,8 @@ def engine_specs(
         ),
         dict(base, name="device", num_gpu_blocks=every_prefix, phases=visits(len(rounds))),
         offload("kvoffload", None),
+        # The same synchronous loads, copied whole before the forward pass (never staged).
+        offload("kvoffload_whole", None, stage="0"),
         offload("kvoffload_async", 0),
         # A device hit with kvoffload on: what the connector costs a hit that loads nothing.
         offload("device_kvoffload", None, every_prefix),
@@ -223,6 +238,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         ("miss", "miss", ["miss"]),
         ("device hit", "device", revisits),
         ("kvoffload hit", "kvoffload", revisits),
+        ("kvoffload hit, whole loads", "kvoffload_whole", revisits),
         ("kvoffload hit, async loads", "kvoffload_async", revisits),
         ("device hit, kvoffload on", "device_kvoffload", revisits),
         ("suffix alone", "miss", ["suffix"]),
@@ -250,6 +266,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         for label, name, phase in (
             ("miss", "miss", "miss"),
             ("kvoffload hit", "kvoffload", "visit1"),
+            ("kvoffload hit, whole loads", "kvoffload_whole", "visit1"),
             ("kvoffload hit, async loads", "kvoffload_async", "visit1"),
             ("device hit, kvoffload on", "device_kvoffload", "visit1"),
         )
@@ -312,7 +329,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def total_work(visits: int) -> int:
     rounds = 8 * visits
-    return 5 + 16 + rounds * 4  # engine starts, miss + suffix, four engines' visits
+    return 6 + 16 + rounds * 5  # engine starts, miss + suffix, five engines' visits
 
 
 def run(args: argparse.Namespace) -> int:
@@ -369,7 +386,7 @@ _HIT_COLUMNS = (
     "blocking ms",
     "blocking GB/s",
 )
-_KVOFFLOAD_HIT_ROWS = ("kvoffload hit", "kvoffload hit, async loads")
+_KVOFFLOAD_HIT_ROWS = tuple(label for label, _ in OFFLOAD_ROWS)
 
 
 def _profile_cells(prof: dict[str, Any] | None) -> list[str]:

