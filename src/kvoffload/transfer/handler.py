@@ -408,17 +408,28 @@ def _one_torch_thread() -> Iterator[None]:
     if before == 1:
         yield
         return
-    torch.set_num_threads(1)
+    _set_torch_threads(1)
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        _set_torch_threads(before)
+
+
+def _set_torch_threads(num_threads: int) -> None:
+    """``torch.set_num_threads`` for the calling thread, as torch defines it.
+
+    vLLM's CPU worker replaces ``torch.set_num_threads`` with a function that
+    only logs a warning (its engine threads are bound to cores), so through
+    that name every call here would log once and leave the thread's team as
+    it was; torch's builtin is what the name held before.
+    """
+    import torch
+
+    torch._C.set_num_threads(num_threads)
 
 
 def _set_thread_intra_op(num_threads: int) -> None:
     # OpenMP's thread count is per calling thread: this leaves the engine's
     # own threads (model compute) as they are.
-    import torch
-
     _THIS_THREAD.in_pool = True
-    torch.set_num_threads(num_threads)
+    _set_torch_threads(num_threads)
