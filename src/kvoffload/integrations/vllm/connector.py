@@ -179,7 +179,11 @@ class KVOffloadConnector(OffloadingConnector):
         super().register_kv_caches(kv_caches)
         worker = self.kvoffload_worker
         if worker is not None and worker.stage_by_layer(layer_extents(kv_caches)):
-            logger.info("kvoffload: synchronous loads are copied layer by layer")
+            logger.info(
+                "kvoffload: synchronous loads are copied layer by layer where the forward "
+                "pass leaves a core to the copy (this engine: %s)",
+                "yes" if worker.stages_now() else "no, they are copied whole before it",
+            )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         worker = self.kvoffload_worker

@@ -315,14 +315,15 @@ class KVOffloadWorker(OffloadingWorker):
         gpu, cpu = self._pair(dst_spec, inner)
         self._jobs[job_id] = _Job(op_id, [int(b) for b in dst_spec.block_ids], True)
         layers = self.layer_stages
-        if expedited and layers is not None and layers.armed and self._stage_now():
+        if expedited and layers is not None and layers.armed and self.stages_now():
             layers.add(job_id)
             self.worker.submit_load(job_id, (cpu, gpu), True, layers.stages)
         else:
             self.worker.submit_load(job_id, (cpu, gpu), expedited)
         return True
 
-    def _stage_now(self) -> bool:
+    def stages_now(self) -> bool:
+        """Whether an armed synchronous load submitted from this thread is staged."""
         return spare_core() if self.stage_loads is None else self.stage_loads
 
     def expedite(self, job_ids: set[int]) -> None:
