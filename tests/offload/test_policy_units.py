@@ -10,6 +10,7 @@ in slots (issue 41: a 4-group tier looked up to 1.7 times as large).
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -192,3 +193,36 @@ def test_a_resized_shadow_holds_at_most_its_capacity(
             assert 0.0 <= arc.p <= size
             assert len(arc.t1) + len(arc.b1) <= size
             assert len(arc.t1) + len(arc.t2) + len(arc.b1) + len(arc.b2) <= 2 * size
+
+
+class _AdmitLog(PolicyDuel):
+    """The default's duel, recording the ``in_flight`` each ``admit`` is given."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.in_flight: list[int] = []
+
+    def admit(self, keys: Sequence[OffloadKey], in_flight: int = 0) -> list[bool] | None:
+        self.in_flight.append(in_flight)
+        return super().admit(keys, in_flight)
+
+
+def test_stores_in_flight_reach_a_unit_policy_as_chunks() -> None:
+    # The manager counts a store's slots in flight (8: 4 chunks of 2 groups); the policy
+    # under it ranks chunks and must see 4, else its room shrinks by 4 chunks too many.
+    m = CPUOffloadingManager(64, cache_policy=_AdmitLog, group_layout=_full_groups(2))
+    log = _duel(m)
+    assert isinstance(log, _AdmitLog)
+    assert m.prepare_store(_chain_keys(0, 4, 2)) is not None  # in flight, not completed
+    m.admit(_chain_keys(1000, 4, 2))
+    assert log.in_flight[-1] == 4
+
+
+def test_an_oversized_store_takes_at_most_half_the_chunks_a_unit_tier_holds() -> None:
+    # A 4-group tier of 400 slots holding 100 chunks when full: half the tier for a store
+    # larger than the room is 50 chunks, not the 200 of its slots.
+    duel = PolicyDuel(400)
+    duel.hint_units()
+    duel.lru.fit_tier(100)
+    flags = duel.admit([_unit(i) for i in range(300)])
+    assert flags is not None and sum(flags) == 50

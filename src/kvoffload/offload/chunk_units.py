@@ -453,14 +453,23 @@ class ChunkUnitPolicy(CachePolicy):
     def hint_continues(self, keys: Sequence[OffloadKey]) -> None:
         self.inner.hint_continues(self._units(keys))
 
+    def _chunks_in_flight(self) -> int:
+        """Chunks of stores in flight that the inner policy does not hold yet: the room
+        those stores take in its count (it ranks chunks; the manager counts their slots,
+        up to one per group each). O(pending keys), only while stores are in flight."""
+        return len({k[:-_SUFFIX] for k in self._pending} - self._nheld.keys())
+
     def admit(self, keys: Sequence[OffloadKey], in_flight: int = 0) -> list[bool] | None:
-        """The inner policy's admission of the chunks not held yet; a chunk is admitted whole."""
+        """The inner policy's admission of the chunks not held yet; a chunk is admitted whole.
+        ``in_flight`` (the manager's slots) reaches the inner policy as chunks."""
         if not self._inner_admits:
             return None
         known = self._members
         fresh = [u for u in self._units(keys) if u not in known and u not in self._busy]
         if not fresh:
             return None
+        if in_flight:
+            in_flight = self._chunks_in_flight()
         flags = self.inner.admit(fresh, in_flight)
         if flags is None:
             return None

@@ -147,7 +147,9 @@ class PolicyDuel(CachePolicy):
             self._decided = set(keys)
             flags = None  # ARC stores every key (T1 is its filter)
             room = self.arc.room(in_flight)
-        return fit_room(flags, len(keys), room, self.capacity)
+        # Under chunk units the tier holds ``lru.capacity`` chunks when full (``fit_tier``),
+        # fewer than its slots: half the tier for an oversized store is counted in chunks.
+        return fit_room(flags, len(keys), room, self.lru.capacity if self._units else self.capacity)
 
     def insert(self, keys: Sequence[OffloadKey]) -> None:
         (self.arc if self.on_arc else self.lru).insert(keys)
