@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvoffload.transfer import GpuCpuJobPlanner, HostPool, KVGeometry, KVLayout
+from kvoffload.transfer import GpuCpuJobPlanner, HostPool, KVGeometry, KVLayout, gpu_cpu
 from kvoffload.transfer.gpu_cpu import SHARD_MIN_BYTES, CpuGpuTransferHandler
 from kvoffload.transfer.handler import ThreadPoolTransferHandler, Work
 from kvoffload.transfer.spec import TransferSpec
@@ -133,7 +133,10 @@ def test_an_expedited_job_nobody_waits_for_is_not_stranded(then: str) -> None:
     handler.close()
 
 
-def test_an_expedited_load_is_one_part_of_the_right_bytes() -> None:
+def test_an_expedited_load_is_one_part_of_the_right_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A waiter with a team of its own (a waiter without one has its job sharded: the
+    # test process's main thread may have been set to one torch thread by earlier tests).
+    monkeypatch.setattr(gpu_cpu, "_team_size", lambda: 2)
     # Big enough to be split across the pool threads were it not expedited.
     layout = KVLayout(KVGeometry(4, 8, 64, 16, torch.float16), "layer_first")
     gpu = layout.allocate(96)

@@ -65,3 +65,21 @@ def test_pool_threads_get_their_intra_op_threads(vllm_cpu_stub: list[int]) -> No
 
     assert _in_thread(run) == 1
     assert vllm_cpu_stub == []
+
+
+def test_a_pool_leaves_new_threads_their_torch_threads() -> None:
+    """Torch records each count it is set to as the one a new thread takes: a pool's
+    start must not make every thread started after it compute on one thread."""
+    _in_thread(lambda: torch._C.set_num_threads(2))  # the default new threads take: 2
+    try:
+        assert _in_thread(torch.get_num_threads) == 2
+        pool = _Handler(num_threads=2, intra_op_threads=1)
+        try:
+            counts = [pool._pool.submit(torch.get_num_threads).result() for _ in range(4)]
+        finally:
+            pool.close()
+        assert set(counts) == {1}
+        assert _in_thread(torch.get_num_threads) == 2
+    finally:
+        default = torch.get_num_threads()  # put back this machine's own default
+        _in_thread(lambda: torch._C.set_num_threads(default))

@@ -428,8 +428,27 @@ def _set_torch_threads(num_threads: int) -> None:
     torch._C.set_num_threads(num_threads)
 
 
+_NEW_THREAD_DEFAULT = threading.Lock()
+
+
 def _set_thread_intra_op(num_threads: int) -> None:
-    # OpenMP's thread count is per calling thread: this leaves the engine's
-    # own threads (model compute) as they are.
+    """A pool thread's start: ``num_threads`` torch threads here, nothing changed elsewhere.
+
+    OpenMP's thread count is per thread, so the engine's own threads keep
+    theirs; but torch also records every count it is set to as the one a
+    thread takes at its first torch call. Left so, one transfer pool would make
+    every thread the process starts later (and a main thread that had not yet
+    used torch) compute on ``num_threads`` threads; that record is put back.
+    """
+    import torch
+
     _THIS_THREAD.in_pool = True
-    _set_torch_threads(num_threads)
+    with _NEW_THREAD_DEFAULT:
+        default = torch.get_num_threads()  # this thread's first torch call: the default
+        _set_torch_threads(num_threads)
+        if default != num_threads:
+            # Only a set records it, and a set also sizes the caller's own team: a
+            # thread of no use after it does the set.
+            keeper = threading.Thread(target=_set_torch_threads, args=(default,))
+            keeper.start()
+            keeper.join()
