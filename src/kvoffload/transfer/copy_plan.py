@@ -24,8 +24,9 @@ consecutive, so the rows are grouped first:
     consecutively) each plane is gathered on its own instead, where
     ``index_select`` moves whole rows by ``memcpy`` (``GroupPairs.plane_split``).
 ``src_runs``
-    runs of consecutive source rows; each is one ``index_copy_`` of a source
-    slice into the destination.
+    runs of consecutive source rows; each is one scatter of a source slice
+    into the destination: in host memory numpy's indexed assignment (a C loop
+    copying whole rows), elsewhere ``index_copy_`` (element by element).
 ``staged``
     gather into a temporary, then scatter: two passes, one pair of calls per
     group, for many tiny scattered rows where per-call overhead dominates.
@@ -65,7 +66,8 @@ _RUN_COPY_CALL = 2.5e-6
 _INDEX_CALL = 7e-6
 _PASS_SECONDS_PER_BYTE = 1 / 10e9
 # index_copy_ runs element by element, slower than the memcpy rows of
-# index_select: costed as this fraction of an extra pass.
+# index_select: costed as this fraction of an extra pass (not into host memory,
+# where ``_scatter`` copies rows with numpy).
 _SCATTER_PENALTY = 0.3
 # On one device a multi-plane group is strided, so index_select into it takes
 # torch's element-wise path rather than a memcpy per row: costed as this
@@ -138,8 +140,12 @@ class RowPairs:
     def num_rows(self) -> int:
         return int(self.dst_rows.size)
 
-    def slice(self, start: int, stop: int) -> RowPairs:
-        """The pairs ``start:stop`` in destination order, as their own ``RowPairs``."""
+    def slice(self, start: int, stop: int, by_src: bool = False) -> RowPairs:
+        """The pairs ``start:stop`` in destination order (``by_src``: in source order),
+        as their own ``RowPairs``."""
+        if by_src:
+            order = self.by_src[start:stop]
+            return RowPairs.build(self.src_rows[order], self.dst_rows[order])
         return RowPairs.build(self.src_rows[start:stop], self.dst_rows[start:stop])
 
 
@@ -285,13 +291,14 @@ def choose_strategy(pairs: RowPairs, groups: GroupPairs) -> str:
         return "runs"  # one slice copy per group: nothing is cheaper
     num_groups = len(groups.narrow)
     nbytes = pairs.num_rows * groups.bytes_per_block
+    # Into host memory a scatter is numpy's row copy (``_scatter``), not element-wise.
+    scatter = 0.0 if groups.dst_device.type == "cpu" else _SCATTER_PENALTY
     costs = {
         "runs": len(pairs.run_starts) * num_groups * _RUN_COPY_CALL,
         "dst_runs": _dst_runs_cost(pairs, groups)[0],
         "src_runs": len(pairs.src_run_starts) * num_groups * _INDEX_CALL
-        + nbytes * _SCATTER_PENALTY * _PASS_SECONDS_PER_BYTE,
-        "staged": num_groups * 2 * _INDEX_CALL
-        + nbytes * (1 + _SCATTER_PENALTY) * _PASS_SECONDS_PER_BYTE,
+        + nbytes * scatter * _PASS_SECONDS_PER_BYTE,
+        "staged": num_groups * 2 * _INDEX_CALL + nbytes * (1 + scatter) * _PASS_SECONDS_PER_BYTE,
     }
     return min(_ALLOWED[groups.cross_device], key=lambda s: costs[s])
 
@@ -331,6 +338,16 @@ def _select(g: torch.Tensor, idx: torch.Tensor, out: torch.Tensor | None = None)
 
 
 def _scatter(g: torch.Tensor, idx: torch.Tensor, values: torch.Tensor) -> None:
+    if g.device.type == "cpu" and values.device.type == "cpu":
+        # index_copy_ moves element by element; numpy's indexed assignment copies each
+        # row in one C loop, at a slice copy's rate (12 MB of 32 KiB rows, one thread:
+        # 7.0 against 9.9 GB/s, a slice 10.9; see docs/transfer.md), GIL released.
+        with torch.inference_mode(False):
+            if g.shape[0] == 1:
+                g[0].numpy()[idx.numpy()] = values.numpy()
+            else:
+                g.numpy()[:, idx.numpy()] = values.numpy()
+        return
     if g.shape[0] == 1:
         g[0].index_copy_(0, idx, values)
     else:

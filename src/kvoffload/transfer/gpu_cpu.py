@@ -163,8 +163,13 @@ class CpuGpuTransferHandler(ThreadPoolTransferHandler):
             shards = min(self.num_threads, n)
         parts: list[Work] = []
         bounds = np.linspace(0, n, shards + 1).astype(np.int64).tolist()
+        # Shards are cut along the side whose rows run longer: a load from consecutive
+        # slots into scattered GPU ids keeps consecutive slots per shard, which
+        # ``src_runs`` scatters in one call per group (cut in GPU id order, each shard
+        # was a copy per row).
+        by_src = shards > 1 and len(job.pairs.src_run_starts) < len(job.pairs.dst_run_starts)
         for a, b in itertools.pairwise(bounds):
-            pairs = job.pairs if shards == 1 else job.pairs.slice(a, b)
+            pairs = job.pairs if shards == 1 else job.pairs.slice(a, b, by_src)
             nbytes = (b - a) * self.planner.layout.bytes_per_block
             parts.append(self._part(job.groups, pairs, nbytes))
         return parts
