@@ -20,6 +20,7 @@ the chunk a hit of the same prompt stops short by) after them. After every call 
 from collections import Counter
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -92,6 +93,21 @@ class UnitMachine(RuleBasedStateMachine):
     def unit_keys(self, unit: bytes) -> set[OffloadKey]:
         return {k for k in self.stored if k[:-4] == unit}
 
+    def parted_windows(self, path: list[int]) -> set[OffloadKey]:
+        """Windowed keys within reach of a chunk of ``path`` where a stored or storing
+        chain goes on with another chunk (requests parted there: a boundary)."""
+        held_units = {k[:-4] for k in list(self.stored) + list(self.storing)}
+        keys: set[OffloadKey] = set()
+        for i in range(len(path) - 1):
+            other = unit_of((*path[:i], path[i], 1 - path[i + 1]))
+            if other not in held_units:
+                continue
+            for g, group in enumerate(self.layout):
+                reach = group.reach_chunks
+                for back in range(min(reach or 0, i + 1)):
+                    keys.add(make_offload_key(unit_of(tuple(path[: i + 1 - back])), g))
+        return keys
+
     def busy(self, unit: bytes) -> bool:
         return any(k[:-4] == unit for k in list(self.pins) + list(self.storing))
 
@@ -109,7 +125,10 @@ class UnitMachine(RuleBasedStateMachine):
         dead_before = set(self.units.dead_keys())
         pinned_dead = {k for k in self.stored if self.units.is_dead(k)}
         kept_units = {k[:-4] for k in offered + new}
-        idle_dead = {k for k in dead_before if k not in offered}
+        # A store that continues a stored chain where that chain went on otherwise makes
+        # the parting chunk a boundary: its windowed keys within reach are held again.
+        revivable = self.parted_windows(path)
+        idle_dead = {k for k in dead_before if k not in offered and k not in revivable}
         idle_held = sum(
             1
             for k in self.stored
@@ -267,3 +286,23 @@ class UnitMachine(RuleBasedStateMachine):
 
 TestChunkUnits = UnitMachine.TestCase
 TestChunkUnits.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+
+
+def test_a_store_parting_from_a_stored_chain_holds_its_windows_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the machine above: a store of full-attention keys that parts from a stored
+    chain at chunk 3 makes chunk 3 a boundary, so the sliding-window keys of chunks 1-3
+    (dead before) are held again, and the store's room comes from a whole chunk."""
+    import tests.offload.test_chunk_units_stateful as module
+
+    monkeypatch.setattr(module, "event", lambda *a, **k: None)  # outside a hypothesis test
+    machine = UnitMachine()
+    machine.start(policy="arc", layout=LAYOUTS[0], slots=16)
+    machine.store_prompt(path=[0] * 8, done=True)
+    parted = machine.parted_windows([0, 0, 0, 1, 0])
+    assert parted == {make_offload_key(unit_of((0,) * n), 1) for n in (1, 2, 3)}
+    machine.store(path=[0, 0, 0, 1, 0], data=st_fixed(0, [0]))
+    machine.room_is_whole_chunks()
+    assert not any(machine.units.is_dead(k) for k in parted)
+    machine.teardown()
